@@ -1,0 +1,1 @@
+//! gRPC fan-out.

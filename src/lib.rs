@@ -1,0 +1,24 @@
+//! kvbridge: an inference engine's KV-cache events, decoded once, kept in a shared-memory ring,
+//! and fanned out to many readers with resume by sequence number.
+//!
+//! Data flows one way, and the modules are named after the stages:
+//!
+//! ```text
+//!   ingest  ──►  decode  ──►  ring (kvbridge-shm)  ──►  fanout (gRPC)  /  local readers (tail)
+//!   ZMQ SUB      msgpack →     one writer, many           SubscribeKvEvents on the
+//!   per rank,    SMG protobuf  read-only readers          four SMG paths
+//!   replay       bytes, in     in other processes
+//!   DEALER       place
+//! ```
+//!
+//! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command) and
+//! [`metrics`] (Prometheus). The wire formats are specified in `shared/spec/engine-wire.md`
+//! (engine side) and `shared/spec/smg-api.md` (gateway side).
+
+pub mod cli;
+pub mod config;
+pub mod decode;
+pub mod fanout;
+pub mod ingest;
+pub mod metrics;
+pub mod proto;
