@@ -22,3 +22,4 @@ pub mod fanout;
 pub mod ingest;
 pub mod metrics;
 pub mod proto;
+pub mod ring;

@@ -1,2 +1,90 @@
-//! Command line.
-pub fn main() -> i32 { 0 }
+//! The `kvbridge` command: `serve`, `subscribe`, `tail`, `demo`, `bench`.
+//!
+//! Exit codes: 0 success; 1 a stream or run that ended badly (the status is printed); 2 a bad
+//! flag, an unusable configuration, an unreachable or occupied endpoint — always one line on
+//! stderr naming the problem, never a backtrace.
+
+mod json;
+mod serve;
+mod subscribe;
+mod tail;
+
+use clap::{Parser, Subcommand};
+
+pub use json::BatchPrinter;
+pub use serve::{run_service, ServiceHandle};
+
+/// Everything `kvbridge` can do.
+#[derive(Parser, Debug)]
+#[command(name = "kvbridge", version, about = "Engine KV-cache events → shared-memory ring → SMG SubscribeKvEvents", long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the bridge: engine ZMQ → ring → gRPC fan-out.
+    Serve(crate::config::ServeArgs),
+    /// Subscribe over gRPC and print each batch as one line of proto3 canonical JSON.
+    Subscribe(subscribe::SubscribeArgs),
+    /// Read the ring directly (no socket) and print each batch as one line of JSON.
+    Tail(tail::TailArgs),
+}
+
+/// A failure that ends the command, with its exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad configuration or set-up (exit 2).
+    #[error("{0}")]
+    Setup(String),
+    /// The run failed after it started (exit 1).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    fn code(&self) -> i32 {
+        match self {
+            CliError::Setup(_) => 2,
+            CliError::Failed(_) => 1,
+        }
+    }
+}
+
+/// Entry point used by `main`; returns the process exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse(); // clap prints usage errors itself and exits with 2
+    let result = match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Subscribe(a) => subscribe::run(a),
+        Command::Tail(a) => tail::run(a),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kvbridge: {e}");
+            e.code()
+        }
+    }
+}
+
+/// A multi-threaded tokio runtime sized for a small machine.
+fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Setup(format!("cannot start the async runtime: {e}")))
+}
+
+/// Logs go to stderr; `RUST_LOG` overrides the default level (info).
+fn init_tracing(format: crate::config::LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        crate::config::LogFormat::Text => b.try_init(),
+        crate::config::LogFormat::Json => b.json().try_init(),
+    };
+}

@@ -76,6 +76,16 @@ pub struct DecodeError {
     pub offset: usize,
 }
 
+/// Decoder counters (stub).
+#[derive(Debug, Default)]
+pub struct DecodeStats {}
+impl DecodeStats {
+    /// Every counter with its metric label.
+    pub fn counters(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        std::iter::empty()
+    }
+}
+
 /// The decoder (one per ingest rank; keeps reusable scratch and counters).
 #[derive(Debug)]
 pub struct Decoder {
@@ -86,6 +96,10 @@ impl Decoder {
     /// A decoder with this configuration.
     pub fn new(cfg: DecodeConfig) -> Self {
         Self { _cfg: cfg }
+    }
+    /// Counters.
+    pub fn stats(&self) -> &DecodeStats {
+        unimplemented!("decoder issue")
     }
     /// Pass 1.
     pub fn plan(&mut self, _payload: &[u8]) -> Result<BatchPlan, DecodeError> {

@@ -1,1 +1,305 @@
-//! gRPC fan-out.
+//! Fan-out: `SubscribeKvEvents` on the four SMG service paths, served from the ring.
+//!
+//! Every subscriber is one cursor walking the ring (smg-api.md §6.3 "Replay and live are one
+//! cursor"): a resume replays `S+1 …` and then simply keeps reading as new records are
+//! committed, so there is no switch-over to get wrong. Records are encoded once, at ingest; a
+//! live subscriber gets the shared [`Bytes`] from the hub's recent-record cache, an older one a
+//! validated copy from the ring. The server hands those bytes to tonic as an [`EncodedBatch`],
+//! whose `prost::Message` implementation writes them verbatim.
+//!
+//! The stream is pull-driven: the next record is read only when the transport asks for it,
+//! which is when HTTP/2 flow control has room. A subscriber that stops reading therefore costs
+//! nothing, never slows ingest or the others, and is caught with `DATA_LOSS` at its next read if
+//! the ring overwrote its position meanwhile.
+
+mod service;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes};
+use kvbridge_shm::{ReadOutcome, RingReader, SeekError};
+use tonic::Status;
+
+use crate::metrics::Metrics;
+use crate::ring::RingHub;
+
+pub use service::{router, serve};
+
+/// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
+/// bytes as they are, so tonic's codec copies them to the transport buffer without re-encoding.
+#[derive(Clone, Default, PartialEq)]
+pub struct EncodedBatch(pub Bytes);
+
+impl std::fmt::Debug for EncodedBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EncodedBatch({} bytes)", self.0.len())
+    }
+}
+
+impl prost::Message for EncodedBatch {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        buf.put_slice(&self.0);
+    }
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: prost::encoding::WireType,
+        buf: &mut impl Buf,
+        ctx: prost::encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        // The server only ever encodes these; decoding is not a path it takes.
+        prost::encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+    fn encoded_len(&self) -> usize {
+        self.0.len()
+    }
+    fn clear(&mut self) {
+        self.0 = Bytes::new();
+    }
+}
+
+/// Request metadata key selecting one rank's ring in `metadata` mode (smg-api.md §7 (b)).
+pub const DP_RANK_HEADER: &str = "kvbridge-dp-rank";
+
+/// Shared state of every subscription.
+pub struct Fanout {
+    /// The merged ring (default stream).
+    pub merged: Arc<RingHub>,
+    /// Per-rank rings (metadata mode), indexed by rank.
+    pub ranks: Vec<Arc<RingHub>>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Subscriber limit.
+    pub max_subscribers: usize,
+    active: AtomicUsize,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Fanout {
+    /// Fan-out over these rings; `shutdown` turning true ends every stream with `UNAVAILABLE`.
+    pub fn new(
+        merged: Arc<RingHub>,
+        ranks: Vec<Arc<RingHub>>,
+        metrics: Arc<Metrics>,
+        max_subscribers: usize,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Self {
+        Fanout { merged, ranks, metrics, max_subscribers, active: AtomicUsize::new(0), shutdown }
+    }
+
+    /// Number of open subscriptions.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    fn status(&self, s: Status) -> Status {
+        self.metrics.statuses.with_label_values(&[code_label(s.code())]).inc();
+        s
+    }
+
+    /// Classifies a request against one view of (O, N) and opens the subscription, or answers
+    /// with the status SMG gateways act on (smg-api.md §6.2). Runs before response headers.
+    pub fn subscribe(
+        self: &Arc<Self>,
+        path: &'static str,
+        start: u64,
+        rank_header: Option<&[u8]>,
+    ) -> Result<Subscription, Status> {
+        if *self.shutdown.borrow() {
+            return Err(self.status(Status::unavailable("kvbridge is shutting down; resubscribe with the same cursor")));
+        }
+        let hub = match rank_header {
+            None => self.merged.clone(),
+            Some(raw) => {
+                let r: usize = std::str::from_utf8(raw)
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .ok_or_else(|| self.status(Status::invalid_argument(format!("{DP_RANK_HEADER} must be a rank number"))))?;
+                if self.ranks.is_empty() {
+                    return Err(self.status(Status::not_found(format!(
+                        "{DP_RANK_HEADER}: per-rank streams are off (start kvbridge with --dp-mode metadata)"
+                    ))));
+                }
+                self.ranks.get(r).cloned().ok_or_else(|| {
+                    self.status(Status::not_found(format!("{DP_RANK_HEADER}: no rank {r} (this bridge has {})", self.ranks.len())))
+                })?
+            }
+        };
+        // Admission: count first, then check, so concurrent subscribes cannot overshoot.
+        let n = self.active.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut guard = ActiveGuard { fanout: self.clone(), path, gauge: false };
+        if n > self.max_subscribers {
+            drop(guard);
+            self.metrics.resumes.with_label_values(&["rejected_limit"]).inc();
+            return Err(self.status(Status::resource_exhausted(format!(
+                "subscriber limit {} reached; retry later",
+                self.max_subscribers
+            ))));
+        }
+        self.metrics.subscribers.with_label_values(&[path]).inc();
+        guard.gauge = true;
+
+        let mut reader = hub.reader();
+        let (o, n) = hub.window();
+        let next = if start == 0 {
+            self.metrics.resumes.with_label_values(&["fresh"]).inc();
+            o
+        } else if start > n {
+            self.metrics.resumes.with_label_values(&["out_of_range_future"]).inc();
+            return Err(self.status(Status::out_of_range(format!(
+                "start_sequence_number {start} is ahead of newest {n}: ring reset or different source; resubscribe from 0"
+            ))));
+        } else if start.saturating_add(1) < o {
+            self.metrics.resumes.with_label_values(&["out_of_range_old"]).inc();
+            return Err(self.status(too_old(start, o, n)));
+        } else {
+            self.metrics.resumes.with_label_values(&[if start == n { "at_head" } else { "in_window" }]).inc();
+            start + 1
+        };
+        match reader.seek(next) {
+            Ok(()) => {}
+            Err(SeekError::TooOld { oldest, newest, .. }) => {
+                // The writer moved on between the window read and the seek.
+                return Err(self.status(too_old(start, oldest, newest)));
+            }
+            Err(SeekError::Future { newest, .. }) => {
+                return Err(self.status(Status::out_of_range(format!(
+                    "start_sequence_number {start} is ahead of newest {newest}; resubscribe from 0"
+                ))));
+            }
+        }
+        Ok(Subscription {
+            hub,
+            reader,
+            next,
+            path,
+            shutdown: self.shutdown.clone(),
+            scratch: Vec::new(),
+            done: false,
+            _guard: guard,
+        })
+    }
+}
+
+fn too_old(start: u64, o: u64, n: u64) -> Status {
+    Status::out_of_range(format!(
+        "start_sequence_number {start} is older than the retained window [{o}, {n}]; resubscribe from 0"
+    ))
+}
+
+/// gRPC code as a metric label.
+pub fn code_label(c: tonic::Code) -> &'static str {
+    match c {
+        tonic::Code::Ok => "ok",
+        tonic::Code::OutOfRange => "out_of_range",
+        tonic::Code::DataLoss => "data_loss",
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::ResourceExhausted => "resource_exhausted",
+        tonic::Code::NotFound => "not_found",
+        tonic::Code::InvalidArgument => "invalid_argument",
+        tonic::Code::Unauthenticated => "unauthenticated",
+        tonic::Code::Internal => "internal",
+        _ => "other",
+    }
+}
+
+struct ActiveGuard {
+    fanout: Arc<Fanout>,
+    path: &'static str,
+    gauge: bool,
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.fanout.active.fetch_sub(1, Ordering::AcqRel);
+        if self.gauge {
+            self.fanout.metrics.subscribers.with_label_values(&[self.path]).dec();
+        }
+    }
+}
+
+/// One subscriber's cursor over a ring.
+pub struct Subscription {
+    hub: Arc<RingHub>,
+    reader: RingReader,
+    next: u64,
+    path: &'static str,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    scratch: Vec<u8>,
+    done: bool,
+    _guard: ActiveGuard,
+}
+
+impl Subscription {
+    /// The next record for this subscriber: waits for it when the cursor is at the head; ends
+    /// with `DATA_LOSS` when the ring overwrote it, `UNAVAILABLE` at shutdown. `None` after an
+    /// error has been returned.
+    pub async fn next_batch(&mut self) -> Option<Result<EncodedBatch, Status>> {
+        if self.done {
+            return None;
+        }
+        let r = self.next_inner().await;
+        if r.is_err() {
+            self.done = true;
+        }
+        Some(r)
+    }
+
+    async fn next_inner(&mut self) -> Result<EncodedBatch, Status> {
+        loop {
+            if *self.shutdown.borrow() {
+                return Err(Status::unavailable("kvbridge is shutting down; resubscribe with the same cursor"));
+            }
+            if let Some(b) = self.hub.cached(self.next) {
+                self.next += 1;
+                return Ok(EncodedBatch(b));
+            }
+            if self.next > self.hub.newest() {
+                let mut sd = self.shutdown.clone();
+                tokio::select! {
+                    _ = self.hub.wait_newer(self.next - 1, Duration::from_secs(1)) => {}
+                    _ = sd.changed() => {}
+                }
+                continue;
+            }
+            // Older than the cache: read the ring.
+            if self.reader.position() != self.next {
+                if let Err(SeekError::TooOld { oldest, .. }) = self.reader.seek(self.next) {
+                    return Err(self.lapped(oldest));
+                }
+            }
+            match self.reader.next() {
+                ReadOutcome::Record(v) => {
+                    debug_assert_eq!(v.seq(), self.next);
+                    if !v.copy_to(&mut self.scratch) {
+                        continue; // overwritten during the copy: the seek above reports it
+                    }
+                    self.next += 1;
+                    return Ok(EncodedBatch(Bytes::copy_from_slice(&self.scratch)));
+                }
+                ReadOutcome::Lapped { resume_at, .. } => return Err(self.lapped(resume_at)),
+                ReadOutcome::Empty => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                ReadOutcome::RingReset { .. } | ReadOutcome::WriterGone => {
+                    return Err(Status::unavailable("ring writer restarted; resubscribe with the same cursor"));
+                }
+            }
+        }
+    }
+
+    fn lapped(&self, oldest: u64) -> Status {
+        let last = self.next - 1;
+        let missed = oldest.saturating_sub(self.next);
+        Status::data_loss(format!(
+            "fell behind: last delivered {last}, oldest retained {oldest}, {missed} batches missed; resubscribe from 0"
+        ))
+    }
+
+    /// The path this subscription came in on.
+    pub fn path(&self) -> &'static str {
+        self.path
+    }
+}

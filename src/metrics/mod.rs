@@ -1,1 +1,240 @@
-//! Metrics.
+//! Prometheus metrics: one registry per process, created at start-up and handed to each stage.
+//!
+//! Stages hold pre-resolved counter handles (see [`RankMetrics`]) so the hot path never hashes
+//! label values. The exposition format comes from the `prometheus` crate's `TextEncoder`; the
+//! HTTP side is a deliberately tiny responder (GET anything → the metrics page), because the
+//! endpoint has one job and pulling a web framework in for it would cost more than it gives.
+
+use std::net::SocketAddr;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// All of kvbridge's metrics.
+pub struct Metrics {
+    /// The registry `/metrics` renders.
+    pub registry: Registry,
+    /// Engine batches received, per rank.
+    pub batches_received: IntCounterVec,
+    /// Messages dropped before decoding, per rank and reason.
+    pub frames_dropped: IntCounterVec,
+    /// Upstream sequence gaps detected, per rank.
+    pub upstream_gaps: IntCounterVec,
+    /// Replay requests by outcome, per rank.
+    pub replays: IntCounterVec,
+    /// Batches recovered through replay, per rank.
+    pub replayed_batches: IntCounterVec,
+    /// Engine restarts detected, per rank.
+    pub engine_restarts: IntCounterVec,
+    /// Synthesized in-band clears, per rank and cause.
+    pub synthesized_clears: IntCounterVec,
+    /// Batches that could not be decoded at all, per rank.
+    pub decode_errors: IntCounterVec,
+    /// Duplicates dropped while merging replay and live, per rank.
+    pub duplicates_dropped: IntCounterVec,
+    /// Batches whose own rank element differs from the socket's rank.
+    pub rank_mismatch: IntCounterVec,
+    /// Last engine sequence applied, per rank.
+    pub last_upstream_seq: IntGaugeVec,
+    /// Decoder counters (events by type, skipped fields, filters), per rank and kind.
+    pub decoder: IntGaugeVec,
+    /// Records written, per ring.
+    pub ring_records: IntCounterVec,
+    /// Record bytes written, per ring.
+    pub ring_bytes: IntCounterVec,
+    /// Oldest retained sequence, per ring.
+    pub ring_oldest: IntGaugeVec,
+    /// Newest sequence, per ring.
+    pub ring_newest: IntGaugeVec,
+    /// Encoded batch size.
+    pub record_size: Histogram,
+    /// Current subscribers, per path.
+    pub subscribers: IntGaugeVec,
+    /// Batches sent to subscribers.
+    pub batches_sent: IntCounter,
+    /// Bytes sent to subscribers (encoded batches).
+    pub bytes_sent: IntCounter,
+    /// Subscribe outcomes (fresh, in_window, at_head, out_of_range, data_loss, …).
+    pub resumes: IntCounterVec,
+    /// Statuses emitted, by gRPC code.
+    pub statuses: IntCounterVec,
+    /// Time from ingest to hand-off to the transport, seconds.
+    pub send_latency: HistogramVec,
+}
+
+fn counter(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    reg.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn gauge(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    reg.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered.
+    pub fn new() -> Self {
+        let r = Registry::new_custom(Some("kvbridge".into()), None).expect("registry");
+        let record_size = Histogram::with_opts(
+            HistogramOpts::new("record_size_bytes", "Encoded KvEventBatch size")
+                .buckets(prometheus::exponential_buckets(64.0, 4.0, 10).expect("buckets")),
+        )
+        .expect("histogram");
+        r.register(Box::new(record_size.clone())).expect("unique");
+        let send_latency = HistogramVec::new(
+            HistogramOpts::new("send_latency_seconds", "Ingest to transport hand-off, per subscriber batch")
+                .buckets(prometheus::exponential_buckets(5e-6, 2.5, 14).expect("buckets")),
+            &["path"],
+        )
+        .expect("histogram");
+        r.register(Box::new(send_latency.clone())).expect("unique");
+        let batches_sent = IntCounter::new("batches_sent_total", "Batches sent to subscribers").expect("metric");
+        r.register(Box::new(batches_sent.clone())).expect("unique");
+        let bytes_sent = IntCounter::new("bytes_sent_total", "Encoded batch bytes sent to subscribers").expect("metric");
+        r.register(Box::new(bytes_sent.clone())).expect("unique");
+        Metrics {
+            batches_received: counter(&r, "batches_received_total", "Engine batches received", &["rank"]),
+            frames_dropped: counter(&r, "frames_dropped_total", "ZMQ messages dropped before decoding", &["rank", "reason"]),
+            upstream_gaps: counter(&r, "upstream_gaps_total", "Engine sequence gaps detected", &["rank"]),
+            replays: counter(&r, "replays_total", "Replay requests by outcome", &["rank", "outcome"]),
+            replayed_batches: counter(&r, "replayed_batches_total", "Batches recovered by replay", &["rank"]),
+            engine_restarts: counter(&r, "engine_restarts_total", "Engine restarts detected", &["rank"]),
+            synthesized_clears: counter(&r, "synthesized_clears_total", "In-band cleared events", &["rank", "cause"]),
+            decode_errors: counter(&r, "decode_errors_total", "Batches that could not be decoded", &["rank"]),
+            duplicates_dropped: counter(&r, "duplicates_dropped_total", "Duplicate batches dropped", &["rank"]),
+            rank_mismatch: counter(&r, "rank_mismatch_total", "Batches whose rank differs from the socket's", &["rank"]),
+            last_upstream_seq: gauge(&r, "last_upstream_seq", "Last engine sequence applied", &["rank"]),
+            decoder: gauge(&r, "decoder_events", "Decoder counters by kind", &["rank", "kind"]),
+            ring_records: counter(&r, "ring_records_total", "Records written", &["ring"]),
+            ring_bytes: counter(&r, "ring_bytes_total", "Record bytes written", &["ring"]),
+            ring_oldest: gauge(&r, "ring_oldest_seq", "Oldest retained sequence", &["ring"]),
+            ring_newest: gauge(&r, "ring_newest_seq", "Newest sequence", &["ring"]),
+            record_size,
+            subscribers: gauge(&r, "subscribers", "Current subscribers", &["path"]),
+            batches_sent,
+            bytes_sent,
+            resumes: counter(&r, "subscribe_outcomes_total", "Subscribe requests by outcome", &["outcome"]),
+            statuses: counter(&r, "statuses_total", "gRPC statuses emitted", &["code"]),
+            send_latency,
+            registry: r,
+        }
+    }
+
+    /// The metrics page in the Prometheus text format.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 * 1024);
+        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding");
+        out
+    }
+
+    /// Counter handles for one ingest rank.
+    pub fn rank(&self, rank: u32) -> RankMetrics {
+        let r = rank.to_string();
+        let l = [r.as_str()];
+        RankMetrics {
+            label: r.clone(),
+            batches: self.batches_received.with_label_values(&l),
+            gaps: self.upstream_gaps.with_label_values(&l),
+            restarts: self.engine_restarts.with_label_values(&l),
+            decode_errors: self.decode_errors.with_label_values(&l),
+            duplicates: self.duplicates_dropped.with_label_values(&l),
+            replayed: self.replayed_batches.with_label_values(&l),
+            rank_mismatch: self.rank_mismatch.with_label_values(&l),
+            last_seq: self.last_upstream_seq.with_label_values(&l),
+            frames_dropped: self.frames_dropped.clone(),
+            replays: self.replays.clone(),
+            clears: self.synthesized_clears.clone(),
+            decoder: self.decoder.clone(),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Per-rank handles (resolved once).
+#[derive(Clone)]
+pub struct RankMetrics {
+    /// Rank label.
+    pub label: String,
+    /// Batches received.
+    pub batches: IntCounter,
+    /// Gaps.
+    pub gaps: IntCounter,
+    /// Restarts.
+    pub restarts: IntCounter,
+    /// Undecodable batches.
+    pub decode_errors: IntCounter,
+    /// Duplicates dropped.
+    pub duplicates: IntCounter,
+    /// Batches recovered by replay.
+    pub replayed: IntCounter,
+    /// Rank element differs from the socket's rank.
+    pub rank_mismatch: IntCounter,
+    /// Last engine seq.
+    pub last_seq: IntGauge,
+    frames_dropped: IntCounterVec,
+    replays: IntCounterVec,
+    clears: IntCounterVec,
+    decoder: IntGaugeVec,
+}
+
+impl RankMetrics {
+    /// Counts a message dropped before decoding.
+    pub fn frame_dropped(&self, reason: &str) {
+        self.frames_dropped.with_label_values(&[self.label.as_str(), reason]).inc();
+    }
+    /// Counts a replay outcome (`requested`, `succeeded`, `history_missing`, `timed_out`, …).
+    pub fn replay(&self, outcome: &str) {
+        self.replays.with_label_values(&[self.label.as_str(), outcome]).inc();
+    }
+    /// Counts a synthesized clear.
+    pub fn clear(&self, cause: &str) {
+        self.clears.with_label_values(&[self.label.as_str(), cause]).inc();
+    }
+    /// Sets a decoder counter.
+    pub fn decoder_set(&self, kind: &str, value: u64) {
+        self.decoder.with_label_values(&[self.label.as_str(), kind]).set(value as i64);
+    }
+}
+
+/// Serves the metrics page on `addr` until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            // Read the request head (one read is enough for a GET from Prometheus or curl).
+            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
+                Ok(Ok(n)) => n,
+                _ => return,
+            };
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let path = head.split_whitespace().nth(1).unwrap_or("/");
+            let (status, ctype, body) = if path.starts_with("/metrics") || path == "/" {
+                ("200 OK", "text/plain; version=0.0.4", m.render())
+            } else {
+                ("404 Not Found", "text/plain", b"not found\n".to_vec())
+            };
+            let hdr = format!("HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = sock.write_all(hdr.as_bytes()).await;
+            let _ = sock.write_all(&body).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
+
+/// Binds the metrics listener (errors are reported by the caller as one line).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}

@@ -1,0 +1,87 @@
+//! `kvbridge subscribe`: a gRPC subscriber that prints each batch as canonical JSON.
+
+use prost::Message;
+
+use super::{BatchPrinter, CliError};
+use crate::proto::common::SubscribeKvEventsRequest;
+
+/// Which service path to call (all four are served identically).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Engine {
+    /// `/vllm.grpc.engine.VllmEngine/SubscribeKvEvents`
+    Vllm,
+    /// `/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents`
+    Sglang,
+    /// `/tokenspeed.grpc.scheduler.TokenSpeedScheduler/SubscribeKvEvents`
+    Tokenspeed,
+    /// `/trtllm.TrtllmService/SubscribeKvEvents`
+    Trtllm,
+}
+
+/// `kvbridge subscribe` flags.
+#[derive(clap::Args, Debug)]
+pub struct SubscribeArgs {
+    /// Bridge address (`HOST:PORT` or `http://HOST:PORT`).
+    #[arg(long, default_value = crate::config::DEFAULT_GRPC)]
+    grpc: String,
+    /// Resume cursor S: 0 = everything retained then live; S > 0 = batches after S.
+    #[arg(long, default_value_t = 0)]
+    from: u64,
+    /// Stop after this many batches (default: run until the stream ends).
+    #[arg(long)]
+    count: Option<u64>,
+    /// Service path to call.
+    #[arg(long, value_enum, default_value = "vllm")]
+    engine: Engine,
+    /// Select one rank's stream (`kvbridge-dp-rank` metadata; needs `serve --dp-mode metadata`).
+    #[arg(long)]
+    rank: Option<u32>,
+}
+
+pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
+    let rt = super::runtime()?;
+    rt.block_on(async move {
+        let uri = if a.grpc.contains("://") { a.grpc.clone() } else { format!("http://{}", a.grpc) };
+        let endpoint = tonic::transport::Endpoint::from_shared(uri.clone())
+            .map_err(|e| CliError::Setup(format!("--grpc {:?}: {e}", a.grpc)))?
+            .connect_timeout(std::time::Duration::from_secs(5));
+        let channel = endpoint.connect().await.map_err(|e| CliError::Setup(format!("--grpc {uri}: cannot connect: {e}")))?;
+        let mut req = tonic::Request::new(SubscribeKvEventsRequest { start_sequence_number: a.from, load_records_before_first_batch: false });
+        if let Some(r) = a.rank {
+            req.metadata_mut().insert(crate::fanout::DP_RANK_HEADER, r.to_string().parse().expect("digits are valid metadata"));
+        }
+        use crate::proto::*;
+        let resp = match a.engine {
+            Engine::Vllm => vllm::grpc::engine::vllm_engine_client::VllmEngineClient::new(channel).subscribe_kv_events(req).await,
+            Engine::Sglang => sglang::grpc::scheduler::sglang_scheduler_client::SglangSchedulerClient::new(channel).subscribe_kv_events(req).await,
+            Engine::Tokenspeed => {
+                tokenspeed::grpc::scheduler::token_speed_scheduler_client::TokenSpeedSchedulerClient::new(channel).subscribe_kv_events(req).await
+            }
+            Engine::Trtllm => trtllm::trtllm_service_client::TrtllmServiceClient::new(channel).subscribe_kv_events(req).await,
+        };
+        let mut stream = resp.map_err(status_error)?.into_inner();
+        let printer = BatchPrinter::new();
+        let mut seen = 0u64;
+        use std::io::Write;
+        let stdout = std::io::stdout();
+        while a.count.is_none_or(|c| seen < c) {
+            match stream.message().await {
+                Ok(Some(batch)) => {
+                    let line = printer.to_json(&batch.encode_to_vec()).map_err(CliError::Failed)?;
+                    let mut out = stdout.lock();
+                    if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
+                        return Ok(()); // stdout closed (e.g. piped into head)
+                    }
+                    seen += 1;
+                }
+                Ok(None) => return Err(CliError::Failed("stream ended by the server".into())),
+                Err(s) => return Err(status_error(s)),
+            }
+        }
+        Ok(())
+    })
+}
+
+fn status_error(s: tonic::Status) -> CliError {
+    CliError::Failed(format!("status {:?}: {}", s.code(), s.message()))
+}

@@ -1,0 +1,85 @@
+//! `kvbridge tail`: reads the ring file directly, from another process, without a socket.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvbridge_shm::{ReadOutcome, RingReader, SeekError};
+
+use super::{BatchPrinter, CliError};
+
+/// `kvbridge tail` flags.
+#[derive(clap::Args, Debug)]
+pub struct TailArgs {
+    /// Ring file written by `kvbridge serve`.
+    #[arg(long, value_name = "PATH")]
+    shm: PathBuf,
+    /// Resume cursor S, as for `subscribe`: 0 = oldest retained; S > 0 = records after S.
+    #[arg(long, default_value_t = 0)]
+    from: u64,
+    /// Stop after this many records.
+    #[arg(long)]
+    count: Option<u64>,
+    /// Prefix each line with the record's ring metadata (seq, rank, engine seq, latency).
+    #[arg(long)]
+    meta: bool,
+}
+
+pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
+    let mut reader = RingReader::open(&a.shm).map_err(|e| CliError::Setup(format!("--shm {}: {e}", a.shm.display())))?;
+    let target = if a.from == 0 { reader.oldest() } else { a.from + 1 };
+    reader.seek(target).map_err(|e| match e {
+        SeekError::TooOld { oldest, newest, .. } => {
+            CliError::Failed(format!("--from {}: older than the retained window [{oldest}, {newest}]", a.from))
+        }
+        SeekError::Future { newest, .. } => CliError::Failed(format!("--from {}: ahead of newest {newest}", a.from)),
+    })?;
+    let printer = BatchPrinter::new();
+    let mut buf = Vec::new();
+    let mut seen = 0u64;
+    let mut gone_reported = false;
+    use std::io::Write;
+    let stdout = std::io::stdout();
+    while a.count.is_none_or(|c| seen < c) {
+        match reader.next_blocking(Duration::from_millis(500)) {
+            ReadOutcome::Record(v) => {
+                let (seq, meta) = (v.seq(), v.meta());
+                if !v.copy_to(&mut buf) {
+                    continue; // overwritten while copying; the next read reports the lap
+                }
+                let json = printer.to_json(&buf).map_err(CliError::Failed)?;
+                let mut out = stdout.lock();
+                let r = if a.meta {
+                    let lat_us = crate::ring::unix_nanos().saturating_sub(meta.ingest_ns) as f64 / 1e3;
+                    writeln!(
+                        out,
+                        "{{\"seq\":{seq},\"rank\":{},\"engineSeq\":{},\"flags\":{},\"ageUs\":{lat_us:.1},\"batch\":{json}}}",
+                        meta.dp_rank, meta.upstream_seq, meta.flags
+                    )
+                } else {
+                    writeln!(out, "{json}")
+                };
+                if r.and_then(|_| out.flush()).is_err() {
+                    return Ok(());
+                }
+                gone_reported = false;
+                seen += 1;
+            }
+            ReadOutcome::Empty => {}
+            ReadOutcome::Lapped { missed, resume_at } => {
+                eprintln!("kvbridge tail: lapped by the writer: {missed} records missed, resuming at {resume_at}");
+            }
+            ReadOutcome::WriterGone => {
+                if !gone_reported {
+                    eprintln!("kvbridge tail: the ring's writer is gone; waiting for it to come back");
+                    gone_reported = true;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            ReadOutcome::RingReset { new_ring_id } => {
+                eprintln!("kvbridge tail: the ring was re-created (id {new_ring_id:#x}); reading it from its oldest record");
+                reader = RingReader::open(&a.shm).map_err(|e| CliError::Failed(format!("--shm {}: {e}", a.shm.display())))?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! The per-publisher state machine of `engine-wire.md` §8, free of sockets so that it can be
+//! tested exhaustively.
+//!
+//! One [`RankState`] follows one engine publisher (one DP rank). It sees each live batch's engine
+//! sequence number and decides: apply it, fill a gap through the engine's replay service, or
+//! report a discontinuity in band (a synthesized `cleared` event) before moving on. Nothing is
+//! ever skipped silently: every way of losing batches ends in a clear that downstream indexes act
+//! on (smg-api.md §6.4).
+
+use std::collections::VecDeque;
+
+use crate::metrics::RankMetrics;
+use crate::ring::ClearCause;
+
+/// Where the state machine stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pos {
+    /// Nothing applied from this publisher incarnation yet; the next batch should be seq 0.
+    Fresh,
+    /// The last engine seq applied.
+    Last(u64),
+    /// A loss was just signalled in band: accept whatever batch comes next.
+    AcceptAny,
+}
+
+/// How a replay request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayEnd {
+    /// The end marker arrived.
+    Complete,
+    /// No reply (or no further reply) within the timeout.
+    TimedOut,
+    /// A reply had the wrong shape; the replay is incomplete.
+    Malformed,
+    /// Shutdown was requested while waiting.
+    Aborted,
+}
+
+/// Applies batches and in-band clears (decode + ring write live behind it).
+pub trait Sink {
+    /// Decodes and publishes the engine batch `seq`.
+    fn apply(&mut self, seq: u64, payload: &[u8]);
+    /// Publishes a synthesized `cleared` event for this rank.
+    fn clear(&mut self, upstream_seq: u64, cause: ClearCause);
+}
+
+/// The engine's replay service (a DEALER to its ROUTER).
+pub trait ReplaySource {
+    /// Asks for every buffered batch with seq ≥ `from`. Replayed batches go to `batch` in arrival
+    /// order; live batches that arrive meanwhile go to `live`.
+    fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), live: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd;
+}
+
+/// Limits of the state machine.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Replay attempts per gap (the first included) before the gap is declared unfillable.
+    pub replay_attempts: u32,
+    /// Live batches buffered while a replay runs; more fail the replay.
+    pub live_buffer: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { replay_attempts: 3, live_buffer: 100_000 }
+    }
+}
+
+/// One publisher's state.
+pub struct RankState {
+    pos: Pos,
+    limits: Limits,
+    m: RankMetrics,
+}
+
+impl RankState {
+    /// A state machine that continues after `last` (the newest engine seq this ring already
+    /// holds for the rank), or starts fresh.
+    pub fn new(last: Option<u64>, limits: Limits, metrics: RankMetrics) -> Self {
+        let pos = last.map_or(Pos::Fresh, Pos::Last);
+        RankState { pos, limits, m: metrics }
+    }
+
+    /// Current position.
+    pub fn pos(&self) -> Pos {
+        self.pos
+    }
+
+    /// On connect: with a replay endpoint, fetch everything after what the ring already holds,
+    /// so that a late-started or restarted bridge loses nothing the engine still buffers.
+    pub fn catch_up(&mut self, sink: &mut dyn Sink, rep: &mut dyn ReplaySource) {
+        let from = match self.pos {
+            Pos::Last(l) => l + 1,
+            _ => 0,
+        };
+        self.fill(from, VecDeque::new(), sink, Some(rep), true);
+    }
+
+    /// Handles one live batch.
+    pub fn on_live(&mut self, s: u64, payload: &[u8], sink: &mut dyn Sink, rep: Option<&mut dyn ReplaySource>) {
+        self.step(s, payload, sink, rep, true)
+    }
+
+    fn step(&mut self, s: u64, payload: &[u8], sink: &mut dyn Sink, rep: Option<&mut dyn ReplaySource>, may_replay: bool) {
+        match self.pos {
+            Pos::AcceptAny => self.apply(s, payload, sink),
+            Pos::Fresh if s == 0 => self.apply(s, payload, sink),
+            Pos::Last(l) if s == l + 1 => self.apply(s, payload, sink),
+            Pos::Last(l) if s <= l => {
+                // A publisher never repeats a seq: the engine restarted, and its cache is empty.
+                self.m.restarts.inc();
+                self.clear(sink, s, ClearCause::EngineRestart);
+                self.pos = Pos::Fresh;
+                self.step(s, payload, sink, rep, may_replay)
+            }
+            Pos::Fresh | Pos::Last(_) => {
+                let from = match self.pos {
+                    Pos::Last(l) => l + 1,
+                    _ => 0,
+                };
+                self.m.gaps.inc();
+                match rep {
+                    Some(rep) if may_replay => {
+                        let live = VecDeque::from([(s, payload.to_vec())]);
+                        self.fill(from, live, sink, Some(rep), false)
+                    }
+                    _ => {
+                        self.clear(sink, s, ClearCause::UnfillableGap);
+                        self.apply(s, payload, sink)
+                    }
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, s: u64, payload: &[u8], sink: &mut dyn Sink) {
+        sink.apply(s, payload);
+        self.pos = Pos::Last(s);
+        self.m.last_seq.set(s as i64);
+    }
+
+    fn clear(&mut self, sink: &mut dyn Sink, upstream_seq: u64, cause: ClearCause) {
+        sink.clear(upstream_seq, cause);
+    }
+
+    /// Replays from `from`, merging the live batches that arrive meanwhile (`live` holds those
+    /// that arrived before), then drains the merged live batches.
+    fn fill(
+        &mut self,
+        from: u64,
+        mut live: VecDeque<(u64, Vec<u8>)>,
+        sink: &mut dyn Sink,
+        mut rep: Option<&mut dyn ReplaySource>,
+        catch_up: bool,
+    ) {
+        let Some(source) = rep.as_deref_mut() else { return };
+        let mut overflow = false;
+        let mut want = from;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            self.m.replay("requested");
+            let mut first = true;
+            let limit = self.limits.live_buffer;
+            let end = {
+                let this = &mut *self;
+                let sink = &mut *sink;
+                source.replay(
+                    want,
+                    &mut |rs, rp| {
+                        let expected = match this.pos {
+                            Pos::Last(l) if rs <= l => {
+                                this.m.duplicates.inc();
+                                return;
+                            }
+                            Pos::Last(l) => l + 1,
+                            _ => want,
+                        };
+                        if rs > expected {
+                            // The engine no longer has (or never had: burned seqs) what we asked for.
+                            this.m.replay(if first { "history_missing" } else { "hole" });
+                            this.clear(sink, rs, ClearCause::MissingHistory);
+                        }
+                        first = false;
+                        this.m.replayed.inc();
+                        this.apply(rs, rp, sink);
+                    },
+                    &mut |ls, lp| {
+                        if live.len() >= limit {
+                            overflow = true;
+                        } else {
+                            live.push_back((ls, lp));
+                        }
+                    },
+                )
+            };
+            match end {
+                ReplayEnd::Complete => {
+                    self.m.replay("succeeded");
+                    break;
+                }
+                ReplayEnd::Aborted => return,
+                ReplayEnd::TimedOut | ReplayEnd::Malformed => {
+                    self.m.replay(if end == ReplayEnd::TimedOut { "timed_out" } else { "malformed" });
+                    if attempt >= self.limits.replay_attempts {
+                        // On start-up catch-up, a silent replay endpoint only means we cannot
+                        // prove what we missed; the live stream's first batch decides.
+                        if !catch_up || matches!(self.pos, Pos::Last(_)) && !live.is_empty() {
+                            self.m.replay("gave_up");
+                            self.clear(sink, want, ClearCause::UnfillableGap);
+                            self.pos = Pos::AcceptAny;
+                        }
+                        break;
+                    }
+                    want = match self.pos {
+                        Pos::Last(l) => l + 1,
+                        _ => want,
+                    };
+                }
+            }
+        }
+        if overflow {
+            self.m.replay("live_overflow");
+            self.clear(sink, want, ClearCause::ReplayOverflow);
+            self.pos = Pos::AcceptAny;
+            live.clear();
+        }
+        while let Some((s, p)) = live.pop_front() {
+            if let Pos::Last(l) = self.pos {
+                if s <= l {
+                    // Replay overlaps live: not a restart, a duplicate.
+                    self.m.duplicates.inc();
+                    continue;
+                }
+            }
+            // One replay per gap: a gap still open after it is reported, not replayed again.
+            self.step(s, &p, sink, None, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+
+    #[derive(Default)]
+    struct Rec(Vec<String>);
+    impl Sink for Rec {
+        fn apply(&mut self, seq: u64, payload: &[u8]) {
+            self.0.push(format!("{seq}:{}", String::from_utf8_lossy(payload)));
+        }
+        fn clear(&mut self, _s: u64, cause: ClearCause) {
+            self.0.push(format!("clear:{}", cause.label()));
+        }
+    }
+
+    /// An engine replay buffer holding `have`, answering with `end`; `live` arrives meanwhile.
+    struct Engine {
+        have: Vec<u64>,
+        end: ReplayEnd,
+        live: Vec<u64>,
+        requests: Vec<u64>,
+    }
+    impl ReplaySource for Engine {
+        fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), live: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd {
+            self.requests.push(from);
+            for s in std::mem::take(&mut self.live) {
+                live(s, b"l".to_vec());
+            }
+            for &s in self.have.iter().filter(|&&s| s >= from) {
+                batch(s, b"r");
+            }
+            self.end
+        }
+    }
+
+    fn state(last: Option<u64>) -> RankState {
+        RankState::new(last, Limits::default(), Metrics::new().rank(0))
+    }
+
+    #[test]
+    fn contiguous_stream_applies_in_order() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        for s in 0..3 {
+            st.on_live(s, b"x", &mut sink, None);
+        }
+        assert_eq!(sink.0, ["0:x", "1:x", "2:x"]);
+        assert_eq!(st.pos(), Pos::Last(2));
+    }
+
+    #[test]
+    fn gap_without_replay_is_signalled_in_band() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(5, b"b", &mut sink, None);
+        assert_eq!(sink.0, ["0:a", "clear:unfillable_gap", "5:b"]);
+    }
+
+    #[test]
+    fn restart_clears_then_applies() {
+        let mut st = state(Some(41));
+        let mut sink = Rec::default();
+        st.on_live(0, b"n", &mut sink, None);
+        assert_eq!(sink.0, ["clear:engine_restart", "0:n"]);
+    }
+
+    #[test]
+    fn gap_is_filled_by_replay_and_merged_without_duplicates() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        // Live 4 arrives after a drop of 1..=3; meanwhile 5 and 6 arrive live, and the replay
+        // returns 1..=5 (overlapping live 4 and 5).
+        let mut eng = Engine { have: vec![0, 1, 2, 3, 4, 5], end: ReplayEnd::Complete, live: vec![5, 6], requests: vec![] };
+        st.on_live(4, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(eng.requests, [1]);
+        assert_eq!(sink.0, ["0:a", "1:r", "2:r", "3:r", "4:r", "5:r", "6:l"]);
+    }
+
+    #[test]
+    fn missing_history_clears_before_the_first_replayed_batch() {
+        let mut st = state(Some(10));
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![20, 21], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        st.on_live(22, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(sink.0, ["clear:missing_history", "20:r", "21:r", "22:l"]);
+    }
+
+    #[test]
+    fn burned_seq_inside_replay_is_a_hole() {
+        let mut st = state(Some(0));
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![1, 3], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        st.on_live(4, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(sink.0, ["1:r", "clear:missing_history", "3:r", "4:l"]);
+    }
+
+    #[test]
+    fn timed_out_replay_retries_then_gives_up_in_band() {
+        let mut st = state(Some(0));
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![], end: ReplayEnd::TimedOut, live: vec![], requests: vec![] };
+        st.on_live(3, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(eng.requests, [1, 1, 1]);
+        assert_eq!(sink.0, ["clear:unfillable_gap", "3:l"]);
+    }
+
+    #[test]
+    fn truncated_replay_continues_from_first_missing() {
+        // First attempt returns 1,2 and no end marker; the second returns the rest.
+        struct Trunc(u32, Vec<u64>);
+        impl ReplaySource for Trunc {
+            fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), _l: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd {
+                self.0 += 1;
+                self.1.push(from);
+                if self.0 == 1 {
+                    batch(1, b"r");
+                    batch(2, b"r");
+                    ReplayEnd::TimedOut
+                } else {
+                    for s in from..=4 {
+                        batch(s, b"r");
+                    }
+                    ReplayEnd::Complete
+                }
+            }
+        }
+        let mut st = state(Some(0));
+        let mut sink = Rec::default();
+        let mut eng = Trunc(0, vec![]);
+        st.on_live(5, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(eng.1, [1, 3]);
+        assert_eq!(sink.0, ["1:r", "2:r", "3:r", "4:r", "5:l"]);
+    }
+
+    #[test]
+    fn slow_joiner_replays_from_zero() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![0, 1], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        st.on_live(2, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(eng.requests, [0]);
+        assert_eq!(sink.0, ["0:r", "1:r", "2:l"]);
+    }
+
+    #[test]
+    fn catch_up_on_connect_asks_after_what_the_ring_holds() {
+        let mut st = state(Some(7));
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![6, 7, 8, 9], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        st.catch_up(&mut sink, &mut eng);
+        assert_eq!(eng.requests, [8]);
+        assert_eq!(sink.0, ["8:r", "9:r"]);
+        // A silent replay endpoint at start-up is not itself a loss.
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![], end: ReplayEnd::TimedOut, live: vec![], requests: vec![] };
+        st.catch_up(&mut sink, &mut eng);
+        assert!(sink.0.is_empty());
+        assert_eq!(st.pos(), Pos::Fresh);
+    }
+
+    #[test]
+    fn live_overflow_fails_the_replay_in_band() {
+        let mut st = RankState::new(Some(0), Limits { replay_attempts: 1, live_buffer: 2 }, Metrics::new().rank(0));
+        let mut sink = Rec::default();
+        let mut eng = Engine { have: vec![1, 2], end: ReplayEnd::Complete, live: vec![4, 5, 6], requests: vec![] };
+        st.on_live(3, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(sink.0, ["1:r", "2:r", "clear:replay_overflow"]);
+        assert_eq!(st.pos(), Pos::AcceptAny);
+    }
+}
