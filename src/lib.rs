@@ -23,3 +23,4 @@ pub mod ingest;
 pub mod metrics;
 pub mod proto;
 pub mod ring;
+pub mod sim;

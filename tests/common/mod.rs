@@ -1,0 +1,239 @@
+//! Shared test harness: a simulated engine on its own thread, the real `kvbridge` binary as a
+//! child process, and gRPC subscribers.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch, SubscribeKvEventsRequest};
+use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
+use kvbridge::sim::{encode_batch, EnginePublisher, Layout, SimEvent, Workload};
+
+/// A free TCP port on loopback (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+type Job = Box<dyn FnOnce(&mut EnginePublisher) + Send>;
+
+/// A simulated engine rank (PUB + replay ROUTER) running on its own thread, like the engine's
+/// publisher thread: it answers replay requests between publishes.
+pub struct Engine {
+    tx: mpsc::Sender<Job>,
+    pub endpoint: String,
+    pub replay: String,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Engine {
+    pub fn start(rank: u32) -> Engine {
+        let _ = rank;
+        let (port, rport) = (free_port(), free_port());
+        let endpoint = format!("tcp://127.0.0.1:{port}");
+        let replay = format!("tcp://127.0.0.1:{rport}");
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (ep, rp) = (endpoint.clone(), replay.clone());
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let ctx = zmq::Context::new();
+            let mut p = EnginePublisher::bind(&ctx, &ep, Some(&rp), "").expect("bind engine sockets");
+            ready_tx.send(()).unwrap();
+            loop {
+                match rx.recv_timeout(Duration::from_millis(1)) {
+                    Ok(job) => job(&mut p),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+                p.serve_replay();
+            }
+        });
+        ready_rx.recv().unwrap();
+        Engine { tx, endpoint, replay, thread: Some(thread) }
+    }
+
+    /// Runs `f` on the engine thread and returns its result.
+    pub fn with<R: Send + 'static>(&self, f: impl FnOnce(&mut EnginePublisher) -> R + Send + 'static) -> R {
+        let (tx, rx) = mpsc::channel();
+        self.tx.send(Box::new(move |p| tx.send(f(p)).unwrap())).unwrap();
+        rx.recv().unwrap()
+    }
+
+    /// Publishes one batch of `events` in `layout`; returns its engine seq.
+    pub fn publish(&self, layout: Layout, events: Vec<SimEvent>, rank: u32) -> u64 {
+        self.with(move |p| p.publish(encode_batch(layout, 1_700_000_000.5, &events, rank)))
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let (tx, _) = mpsc::channel();
+        self.tx = tx;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A store of `blocks` fresh blocks (16 tokens each) chained to `parent`.
+pub fn store(seed: u64, blocks: usize, parent: Option<u64>) -> SimEvent {
+    let hashes = (0..blocks as u64).map(|i| seed.wrapping_mul(1_000_003).wrapping_add(i + 1)).collect();
+    let tokens = (0..blocks * 16).map(|i| ((seed as usize * 31 + i) % 150_000) as u32 + 1).collect();
+    SimEvent::Stored { hashes, parent, tokens, block_size: 16, medium: Some("GPU".into()) }
+}
+
+/// The real binary, running `serve`.
+pub struct Bridge {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub shm: PathBuf,
+    pub args: Vec<String>,
+    pub stderr_log: PathBuf,
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_kvbridge")
+}
+
+impl Bridge {
+    /// Starts `kvbridge serve` with `extra` flags plus a fresh gRPC port and metrics off, and
+    /// waits until gRPC accepts connections.
+    pub fn start(dir: &Path, shm: &Path, extra: &[String]) -> Bridge {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut args: Vec<String> = vec!["serve".into(), "--grpc".into(), grpc.to_string(), "--shm".into(), shm.display().to_string()];
+        args.extend(["--metrics".to_string(), "off".to_string()]);
+        args.extend(extra.iter().cloned());
+        Self::start_args(dir, grpc, shm, args)
+    }
+
+    pub fn start_args(dir: &Path, grpc: SocketAddr, shm: &Path, args: Vec<String>) -> Bridge {
+        let stderr_log = dir.join(format!("bridge-{}.log", grpc.port()));
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&stderr_log).unwrap();
+        let child = Command::new(bin())
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn kvbridge");
+        let b = Bridge { child, grpc, shm: shm.to_owned(), args, stderr_log };
+        b.wait_ready();
+        b
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(self.grpc).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("kvbridge did not start; log:\n{}", self.log());
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("kvbridge did not stop on SIGTERM; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Restarts with the same arguments (same port, same ring).
+    pub fn restart(self, dir: &Path) -> Bridge {
+        let (grpc, shm, args) = (self.grpc, self.shm.clone(), self.args.clone());
+        let st = self.stop();
+        assert!(st.success(), "kvbridge exited with {st:?}");
+        Self::start_args(dir, grpc, &shm, args)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A tonic subscriber on the vLLM path.
+pub async fn subscribe(url: &str, start: u64) -> Result<tonic::Streaming<KvEventBatch>, tonic::Status> {
+    let mut c = VllmEngineClient::connect(url.to_string()).await.expect("connect");
+    c.subscribe_kv_events(SubscribeKvEventsRequest { start_sequence_number: start, load_records_before_first_batch: true })
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// Reads batches until `pred` holds for the collected list or `timeout` passes.
+pub async fn collect_until(
+    s: &mut tonic::Streaming<KvEventBatch>,
+    timeout: Duration,
+    mut pred: impl FnMut(&[KvEventBatch]) -> bool,
+) -> Vec<KvEventBatch> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !pred(&got) {
+        match tokio::time::timeout_at(deadline, s.message()).await {
+            Ok(Ok(Some(b))) => got.push(b),
+            Ok(Ok(None)) => panic!("stream ended after {} batches", got.len()),
+            Ok(Err(st)) => panic!("stream failed after {} batches: {st:?}", got.len()),
+            Err(_) => panic!("timed out after {} batches", got.len()),
+        }
+    }
+    got
+}
+
+/// Stored block hashes of a batch list, in order (as u64 patterns).
+pub fn stored_hashes(batches: &[KvEventBatch]) -> Vec<u64> {
+    batches
+        .iter()
+        .flat_map(|b| b.events.iter())
+        .filter_map(|e| match &e.data {
+            Some(Data::Stored(s)) => Some(s.blocks.iter().map(|b| b.block_hash as u64).collect::<Vec<_>>()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+/// Number of `cleared` events in a batch list.
+pub fn clears(batches: &[KvEventBatch]) -> usize {
+    batches.iter().flat_map(|b| b.events.iter()).filter(|e| matches!(e.data, Some(Data::Cleared(_)))).count()
+}
+
+/// Asserts sequence numbers are contiguous.
+pub fn assert_contiguous(batches: &[KvEventBatch]) {
+    for w in batches.windows(2) {
+        assert_eq!(w[1].sequence_number, w[0].sequence_number + 1, "hole or duplicate");
+    }
+    assert!(batches.iter().all(|b| b.sequence_number > 0), "sequence 0 sent");
+}
+
+/// Every layout in turn.
+pub fn layout(i: usize) -> Layout {
+    Layout::ALL[i % Layout::ALL.len()]
+}
+
+/// A realistic workload for `n` batches, encoded in rotating layouts.
+pub fn workload_batches(seed: u64, n: usize) -> Vec<Vec<SimEvent>> {
+    let mut w = Workload::new(seed);
+    (0..n).map(|_| w.next_batch()).collect()
+}
