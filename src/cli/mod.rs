@@ -4,6 +4,7 @@
 //! flag, an unusable configuration, an unreachable or occupied endpoint — always one line on
 //! stderr naming the problem, never a backtrace.
 
+mod demo;
 mod json;
 mod serve;
 mod subscribe;
@@ -30,6 +31,8 @@ enum Command {
     Subscribe(subscribe::SubscribeArgs),
     /// Read the ring directly (no socket) and print each batch as one line of JSON.
     Tail(tail::TailArgs),
+    /// Run the whole path on a built-in engine and show live stats (no engine needed).
+    Demo(demo::DemoArgs),
 }
 
 /// A failure that ends the command, with its exit code.
@@ -59,6 +62,7 @@ pub fn main() -> i32 {
         Command::Serve(a) => serve::run(a),
         Command::Subscribe(a) => subscribe::run(a),
         Command::Tail(a) => tail::run(a),
+        Command::Demo(a) => demo::run(a),
     };
     match result {
         Ok(()) => 0,

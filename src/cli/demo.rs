@@ -1,0 +1,274 @@
+//! `kvbridge demo`: the whole path in one process, no engine needed.
+//!
+//! Two simulated engine ranks (vLLM-like workload, rotating release layouts, replay enabled)
+//! publish over real ZMQ on loopback; the bridge decodes into a ring under `/dev/shm`; one
+//! shared-memory reader and a few gRPC subscribers read it; a one-screen summary refreshes every
+//! second. Latency is measured end to end: gRPC from the engine's own batch timestamp, shm from
+//! the record's ingest time.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use parking_lot::Mutex;
+use prost::Message;
+
+use super::CliError;
+use crate::config::{LogFormat, ServeArgs};
+use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
+use crate::sim::{encode_batch, EnginePublisher, Layout, Workload};
+
+/// `kvbridge demo` flags.
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long)]
+    duration: Option<u64>,
+    /// Engine batches per second, per rank.
+    #[arg(long, default_value_t = 500)]
+    rate: u64,
+    /// Simulated DP ranks.
+    #[arg(long, default_value_t = 2)]
+    ranks: u32,
+    /// gRPC subscribers.
+    #[arg(long, default_value_t = 4)]
+    subscribers: usize,
+    /// gRPC listen address (port 0 = any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    grpc: String,
+}
+
+/// Latency and counts of one reader kind, reset each screen refresh.
+struct Lane {
+    hist: Mutex<Histogram<u64>>,
+    batches: AtomicU64,
+    losses: AtomicU64,
+}
+
+impl Lane {
+    fn new() -> Arc<Self> {
+        Arc::new(Lane {
+            hist: Mutex::new(Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds")),
+            batches: AtomicU64::new(0),
+            losses: AtomicU64::new(0),
+        })
+    }
+    fn record(&self, us: u64) {
+        let _ = self.hist.lock().record(us.clamp(1, 60_000_000));
+        self.batches.fetch_add(1, Ordering::Relaxed);
+    }
+    /// (p50 µs, p99 µs, count) since the last call.
+    fn take(&self) -> (u64, u64, u64) {
+        let mut h = self.hist.lock();
+        let r = (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.len());
+        h.reset();
+        r
+    }
+}
+
+fn now_secs() -> f64 {
+    crate::ring::unix_seconds()
+}
+
+pub(super) fn run(a: DemoArgs) -> Result<(), CliError> {
+    if a.rate == 0 || a.ranks == 0 || a.ranks > 16 {
+        return Err(CliError::Setup("--rate must be > 0 and --ranks between 1 and 16".into()));
+    }
+    super::init_tracing(LogFormat::Text);
+    let rt = super::runtime()?;
+    rt.block_on(demo(a))
+}
+
+async fn demo(a: DemoArgs) -> Result<(), CliError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    // Engines first: they bind, so their ports are known before the bridge connects.
+    let ctx = zmq::Context::new();
+    let mut engines = Vec::new();
+    let mut zmq_eps = Vec::new();
+    let mut replay_eps = Vec::new();
+    for r in 0..a.ranks {
+        let p = EnginePublisher::bind(&ctx, "tcp://127.0.0.1:*", Some("tcp://127.0.0.1:*"), "")
+            .map_err(|e| CliError::Setup(format!("cannot bind the demo engine: {e}")))?;
+        zmq_eps.push(p.endpoint());
+        replay_eps.push(p.replay_endpoint().unwrap_or_default());
+        engines.push((r, p));
+    }
+    let shm = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
+    let shm = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from(format!("/dev/shm/kvbridge-demo-{}", std::process::id()))
+    } else {
+        shm
+    };
+    let args = ServeArgs {
+        zmq: zmq_eps,
+        replay: replay_eps,
+        grpc: Some(a.grpc.clone()),
+        shm: Some(shm.clone()),
+        metrics: Some("127.0.0.1:0".into()),
+        ring_size: Some("64MiB".into()),
+        ..Default::default()
+    };
+    let cfg = args.resolve().map_err(|e| CliError::Setup(e.to_string()))?;
+    let service = super::run_service(&cfg).await?;
+    let grpc = service.grpc_addr;
+
+    // Engine threads: paced by the clock, one batch per tick, answering replay requests.
+    let published = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for (rank, mut p) in engines {
+        let (stop, published, rate) = (stop.clone(), published.clone(), a.rate);
+        threads.push(std::thread::spawn(move || {
+            let mut w = Workload::new(0xC0FFEE + rank as u64);
+            let period = Duration::from_nanos(1_000_000_000 / rate);
+            let start = Instant::now();
+            let mut i: u64 = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let due = start + period * (i as u32);
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                let layout = Layout::ALL[(i as usize + rank as usize) % Layout::ALL.len()];
+                let events = w.next_batch();
+                p.publish(encode_batch(layout, now_secs(), &events, rank));
+                p.serve_replay();
+                published.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+        }));
+    }
+
+    // gRPC subscribers measure from the engine's timestamp.
+    let grpc_lane = Lane::new();
+    for _ in 0..a.subscribers {
+        let lane = grpc_lane.clone();
+        let url = format!("http://{grpc}");
+        tokio::spawn(async move {
+            let Ok(mut c) = crate::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(url).await else {
+                return;
+            };
+            let mut cursor = 0;
+            loop {
+                let req = SubscribeKvEventsRequest { start_sequence_number: cursor, load_records_before_first_batch: false };
+                let Ok(resp) = c.subscribe_kv_events(req).await else { return };
+                let mut s = resp.into_inner();
+                loop {
+                    match s.message().await {
+                        Ok(Some(b)) => {
+                            cursor = b.sequence_number;
+                            lane.record(((now_secs() - b.timestamp).max(0.0) * 1e6) as u64);
+                        }
+                        Ok(None) => return,
+                        Err(st) => {
+                            if st.code() == tonic::Code::DataLoss || st.code() == tonic::Code::OutOfRange {
+                                lane.losses.fetch_add(1, Ordering::Relaxed);
+                                cursor = 0;
+                                break;
+                            }
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    // One shared-memory reader, in a thread of its own, measures from the ingest time.
+    let shm_lane = Lane::new();
+    {
+        let (lane, stop, mut reader) = (shm_lane.clone(), stop.clone(), service.merged.reader());
+        threads.push(std::thread::spawn(move || {
+            use kvbridge_shm::ReadOutcome;
+            let _ = reader.seek(reader.newest() + 1);
+            while !stop.load(Ordering::Relaxed) {
+                match reader.next_blocking(Duration::from_millis(100)) {
+                    ReadOutcome::Record(v) => {
+                        let ingest = v.meta().ingest_ns;
+                        let ok = KvEventBatch::decode(v.payload()).is_ok() && v.is_intact();
+                        if ok {
+                            lane.record(crate::ring::unix_nanos().saturating_sub(ingest) / 1000);
+                        }
+                    }
+                    ReadOutcome::Lapped { .. } => {
+                        lane.losses.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+            }
+        }));
+    }
+
+    println!("kvbridge demo: {} engine rank(s) at {} batches/s each → ring {} → gRPC {grpc}", a.ranks, a.rate, shm.display());
+    if let Some(m) = service.metrics_addr {
+        println!("metrics: http://{m}/metrics   try: kvbridge subscribe --grpc {grpc} --count 3   |   kvbridge tail --shm {} --count 3", shm.display());
+    }
+    let started = Instant::now();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
+    let mut last_pub = 0;
+    let mut last_sent = 0;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::signal::ctrl_c() => break,
+        }
+        let pubd = published.load(Ordering::Relaxed);
+        let sent = service.metrics.batches_sent.get();
+        let (o, n) = service.merged.window();
+        let (gp50, gp99, gn) = grpc_lane.take();
+        let (sp50, sp99, sn) = shm_lane.take();
+        let frames_dropped: u64 = (0..a.ranks)
+            .map(|r| {
+                ["frame_count", "seq_length", "topic", "empty_payload"]
+                    .iter()
+                    .map(|k| service.metrics.frames_dropped.with_label_values(&[r.to_string().as_str(), *k]).get())
+                    .sum::<u64>()
+            })
+            .sum();
+        let screen = format!(
+            "kvbridge demo — {:>4}s\n\
+             engine in     {:>8} batches/s   ({} ranks)\n\
+             ring          seq {}..{}  ({} records retained)\n\
+             gRPC out      {:>8} batches/s   to {} subscribers   p50 {} µs  p99 {} µs  ({} samples)\n\
+             shm reader    p50 {} µs  p99 {} µs  ({} samples)\n\
+             loss          gRPC resubscribes {}   shm laps {}   malformed frames {}\n",
+            started.elapsed().as_secs(),
+            pubd - last_pub,
+            a.ranks,
+            o,
+            n,
+            n.saturating_sub(o) + u64::from(n >= o),
+            sent - last_sent,
+            service.fanout.active(),
+            gp50,
+            gp99,
+            gn,
+            sp50,
+            sp99,
+            sn,
+            grpc_lane.losses.load(Ordering::Relaxed),
+            shm_lane.losses.load(Ordering::Relaxed),
+            frames_dropped,
+        );
+        if tty {
+            print!("\x1b[H\x1b[2J{screen}(Ctrl-C to stop)\n");
+        } else {
+            println!("{screen}");
+        }
+        last_pub = pubd;
+        last_sent = sent;
+        if a.duration.is_some_and(|d| started.elapsed() >= Duration::from_secs(d)) {
+            break;
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        let _ = t.join();
+    }
+    service.shutdown().await;
+    let _ = std::fs::remove_file(&shm);
+    println!("demo stopped cleanly");
+    Ok(())
+}
