@@ -151,7 +151,10 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
             let mut cursor = 0;
             loop {
                 let req = SubscribeKvEventsRequest { start_sequence_number: cursor, load_records_before_first_batch: false };
-                let Ok(resp) = c.subscribe_kv_events(req).await else { return };
+                let Ok(resp) = c.subscribe_kv_events(req).await else {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                };
                 let mut s = resp.into_inner();
                 loop {
                     match s.message().await {
@@ -164,9 +167,11 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
                             if st.code() == tonic::Code::DataLoss || st.code() == tonic::Code::OutOfRange {
                                 lane.losses.fetch_add(1, Ordering::Relaxed);
                                 cursor = 0;
-                                break;
+                            } else {
+                                // Transient (e.g. shutdown): back off, resume with the cursor.
+                                tokio::time::sleep(Duration::from_millis(200)).await;
                             }
-                            return;
+                            break;
                         }
                     }
                 }
