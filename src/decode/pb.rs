@@ -1,0 +1,48 @@
+//! Protobuf wire helpers: varint sizes and a slice writer.
+
+/// Encoded size of a varint.
+#[inline(always)]
+pub(crate) fn vlen(v: u64) -> usize {
+    ((64 - (v | 1).leading_zeros() as usize) + 6) / 7
+}
+
+/// Size of a length-delimited field (tag byte + length prefix + body).
+#[inline(always)]
+pub(crate) fn ld(body: usize) -> usize {
+    1 + vlen(body as u64) + body
+}
+
+/// Writes into a caller-provided slice. Indexing panics if the slice is too short, which the
+/// callers rule out beforehand.
+pub(crate) struct W<'a> {
+    pub buf: &'a mut [u8],
+    pub pos: usize,
+}
+
+impl W<'_> {
+    #[inline(always)]
+    pub fn u8(&mut self, b: u8) {
+        self.buf[self.pos] = b;
+        self.pos += 1;
+    }
+    #[inline(always)]
+    pub fn varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.u8((v as u8) | 0x80);
+            v >>= 7;
+        }
+        self.u8(v as u8);
+    }
+    #[inline(always)]
+    pub fn bytes(&mut self, s: &[u8]) {
+        self.buf[self.pos..self.pos + s.len()].copy_from_slice(s);
+        self.pos += s.len();
+    }
+    /// Tag + length + bytes.
+    #[inline(always)]
+    pub fn ld_bytes(&mut self, tag: u8, s: &[u8]) {
+        self.u8(tag);
+        self.varint(s.len() as u64);
+        self.bytes(s);
+    }
+}
