@@ -216,7 +216,7 @@ fn split_big_store_into_one_chain() {
     let mut b = B::default();
     b.batch(3)
         .store(1000, 200, &[("medium", "GPU"), ("lora_name", "x")], None);
-    b.removal(&(0..1000).collect::<Vec<_>>(), &[], None);
+    b.removal(&(0..3000).collect::<Vec<_>>(), &[], None);
     b.arr(1).s("AllBlocksCleared");
     let thr = 4096;
     let mut d = Decoder::new(DecodeConfig {
@@ -247,11 +247,11 @@ fn split_big_store_into_one_chain() {
                 parent = Some(s.blocks.last().unwrap().block_hash);
             }
             Data::Removed(r) => hashes.extend(r.block_hashes.clone()),
-            Data::Cleared(_) => assert_eq!(hashes.len(), 1000),
+            Data::Cleared(_) => assert_eq!(hashes.len(), 3000),
         }
     }
     assert_eq!(blocks, 200);
-    assert_eq!(hashes, (0..1000).collect::<Vec<i64>>());
+    assert_eq!(hashes, (0..3000).collect::<Vec<i64>>());
     assert!(recs.iter().all(|r| r.timestamp == 1.5));
 }
 
