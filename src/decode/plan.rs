@@ -3,7 +3,7 @@
 use super::ekeys;
 use super::error::{DecodeError, DecodeErrorKind as K};
 use super::pb::{ld, vlen};
-use super::reader::{bin_bits, read_token, Cur, Int};
+use super::reader::{bin_bits, read_token, Cur, Int, INT_SIZE};
 use super::{BatchPlan, BlockInfo, Decoder, Ev, EvKind, Part, Profile, Rec, Span};
 use rmp::Marker;
 
@@ -504,9 +504,9 @@ impl Decoder {
         }
         let buf = c.buf;
         match f.tag {
-            Tag::Stored => self.finish_store(buf, f, hmark),
-            Tag::Removed => self.finish_removal(buf, f, hmark),
-            _ => self.finish_clear(buf, f, hmark),
+            Tag::Stored => self.finish_store(buf, &f, hmark),
+            Tag::Removed => self.finish_removal(buf, &f, hmark),
+            _ => self.finish_clear(buf, &f, hmark),
         }
         Ok(())
     }
@@ -687,7 +687,7 @@ impl Decoder {
         true
     }
 
-    fn finish_store(&mut self, buf: &[u8], f: F, hmark: usize) {
+    fn finish_store(&mut self, buf: &[u8], f: &F, hmark: usize) {
         let (Some((hs, n)), Some((toff, ntok)), Some(bs)) = (f.hashes, f.tokens, f.bs) else {
             let why = f.invalid.unwrap_or(Invalid::Missing);
             return self.malformed(why, false, hmark);
@@ -711,8 +711,8 @@ impl Decoder {
                 self.stats.unpairable_stores += 1;
             }
         }
-        let (tier, loc) = self.classify(buf, &f);
-        if self.filtered(buf, tier, loc, &f) {
+        let (tier, loc) = self.classify(buf, f);
+        if self.filtered(buf, tier, loc, f) {
             return self.hashes.truncate(hmark);
         }
         if !pairable {
@@ -740,8 +740,12 @@ impl Decoder {
             let mut tb = 0usize;
             if pairable {
                 for _ in 0..bs {
-                    // validated in read_tokens
-                    let v = read_token(buf, &mut tpos).unwrap_or(0);
+                    let Some(v) = read_token(buf, &mut tpos) else {
+                        // a token id that is negative or above u32::MAX
+                        self.blocks.truncate(blk_start);
+                        self.stats.stored_events -= 1;
+                        return self.malformed(Invalid::Type, false, hmark);
+                    };
                     tb += vlen(v as u64);
                 }
                 body += ld(tb);
@@ -787,7 +791,8 @@ impl Decoder {
             n,
             fixed_len: fixed as u32,
         };
-        self.pack(ev, hmark);
+        self.evs.push(ev);
+        self.pack(hmark);
     }
 
     fn measure_extra(&mut self, buf: &[u8], off: usize, blk_start: usize, n: usize) {
@@ -816,7 +821,7 @@ impl Decoder {
         }
     }
 
-    fn finish_removal(&mut self, buf: &[u8], f: F, hmark: usize) {
+    fn finish_removal(&mut self, buf: &[u8], f: &F, hmark: usize) {
         let Some((hs, n)) = f.hashes else {
             let why = f.invalid.unwrap_or(Invalid::Missing);
             return self.malformed(why, true, hmark);
@@ -829,8 +834,8 @@ impl Decoder {
             self.stats.empty_events += 1;
             return self.hashes.truncate(hmark);
         }
-        let (tier, loc) = self.classify(buf, &f);
-        if self.filtered(buf, tier, loc, &f) {
+        let (tier, loc) = self.classify(buf, f);
+        if self.filtered(buf, tier, loc, f) {
             return self.hashes.truncate(hmark);
         }
         let fixed = opt_v(tier.map(|t| t as u64 - 1))
@@ -851,10 +856,11 @@ impl Decoder {
             fixed_len: fixed as u32,
             ..Ev::EMPTY
         };
-        self.pack(ev, hmark);
+        self.evs.push(ev);
+        self.pack(hmark);
     }
 
-    fn finish_clear(&mut self, buf: &[u8], f: F, hmark: usize) {
+    fn finish_clear(&mut self, buf: &[u8], f: &F, hmark: usize) {
         if let Some(why) = f.invalid {
             return self.malformed(why, false, hmark);
         }
@@ -873,17 +879,18 @@ impl Decoder {
             fixed_len: opt_ld(f.ownership) as u32,
             ..Ev::EMPTY
         };
-        self.pack(ev, hmark);
+        self.evs.push(ev);
+        self.pack(hmark);
     }
 
     /// Body length of a store part's blocks field entries for blocks `lo..hi`.
     #[inline]
-    fn blk_entry(&self, ev: &Ev, i: u32) -> usize {
+    fn blk_entry(&self, ev: &PackInfo, i: u32) -> usize {
         ld(self.blocks[(ev.blk_start + i) as usize].body_len as usize)
     }
 
     #[inline]
-    fn parent_len(&self, ev: &Ev, lo: u32) -> usize {
+    fn parent_len(&self, ev: &PackInfo, lo: u32) -> usize {
         let p = if lo == 0 {
             ev.parent
         } else {
@@ -894,10 +901,21 @@ impl Decoder {
 
     /// Adds an event's part(s) to the records, splitting when needed. Drops (and counts) an
     /// event whose smallest part cannot fit into an empty record.
-    fn pack(&mut self, ev: Ev, hmark: usize) {
+    fn pack(&mut self, hmark: usize) {
+        let ev = {
+            let e = self.evs.last().expect("event pushed");
+            PackInfo {
+                kind: e.kind,
+                parent: e.parent,
+                n: e.n,
+                fixed_len: e.fixed_len,
+                blk_start: e.blk_start,
+                hash_start: e.hash_start,
+            }
+        };
         let thr = self.cfg.split_threshold;
         let room = thr.saturating_sub(REC_OVERHEAD_MAX);
-        let ei = self.evs.len() as u32;
+        let ei = self.evs.len() as u32 - 1;
         // whole-event size, and the largest unit (block / hash) for the oversize check
         let (whole, unit_max) = match ev.kind {
             EvKind::Stored => {
@@ -934,9 +952,9 @@ impl Decoder {
                 self.lost_removals += 1;
             }
             self.hashes.truncate(hmark);
+            self.evs.pop();
             return;
         }
-        self.evs.push(ev);
         let eb = entry_bound(whole);
         if self.open && self.used + eb <= thr {
             self.push_part(ei, 0, ev.n, whole, eb);
@@ -1023,6 +1041,16 @@ impl Decoder {
     }
 }
 
+/// What `pack` needs of an event.
+struct PackInfo {
+    kind: EvKind,
+    parent: Option<i64>,
+    n: u32,
+    fixed_len: u32,
+    blk_start: u32,
+    hash_start: u32,
+}
+
 /// `ts`: float64, float32 or int.
 fn read_ts(c: &mut Cur<'_>) -> Result<f64, DecodeError> {
     let (m, at) = c.marker()?;
@@ -1061,20 +1089,29 @@ fn read_rank(c: &mut Cur<'_>) -> Result<Option<i64>, DecodeError> {
     Ok(None)
 }
 
-/// `token_ids`: an array of uint ≤ u32::MAX; returns (offset of the first element, count).
+/// `token_ids`: an array of ints; returns (offset of the first element, count). Only the
+/// structure is checked here (every element an int, in bounds); the values (0 ≤ v ≤ u32::MAX)
+/// are checked by the measuring walk, which runs for the stores that are forwarded with tokens.
 fn read_tokens(c: &mut Cur<'_>) -> FR<(u32, u32)> {
     let (m, at) = c.marker()?;
     let n = match c.array_len(m, at)? {
         Some(n) => n,
         None => return Ok(Err(Invalid::Type)),
     };
-    let first = c.pos as u32;
-    let mut pos = c.pos;
+    let first = c.pos;
+    let buf = c.buf;
+    let mut pos = first;
     for _ in 0..n {
-        if read_token(c.buf, &mut pos).is_none() {
+        let Some(&b) = buf.get(pos) else { return Ok(Err(Invalid::Type)) };
+        let sz = INT_SIZE[b as usize];
+        if sz == 0 {
             return Ok(Err(Invalid::Type));
         }
+        pos += sz as usize;
+    }
+    if pos > buf.len() {
+        return Ok(Err(Invalid::Type));
     }
     c.pos = pos;
-    Ok(Ok((first, n)))
+    Ok(Ok((first as u32, n)))
 }

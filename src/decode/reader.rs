@@ -255,6 +255,30 @@ impl<'a> Cur<'a> {
     }
 }
 
+/// Encoded size of an int value by marker byte (0 = not an int).
+pub(crate) static INT_SIZE: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut i = 0;
+    while i < 0x80 {
+        t[i] = 1;
+        i += 1;
+    }
+    let mut i = 0xe0;
+    while i < 0x100 {
+        t[i] = 1;
+        i += 1;
+    }
+    t[0xcc] = 2;
+    t[0xd0] = 2;
+    t[0xcd] = 3;
+    t[0xd1] = 3;
+    t[0xce] = 5;
+    t[0xd2] = 5;
+    t[0xcf] = 9;
+    t[0xd3] = 9;
+    t
+};
+
 /// A token id (uint ≤ u32::MAX, any width, signed markers with non-negative values accepted).
 /// `None` on any other type/range or truncation. Advances `pos` only on success.
 #[inline(always)]
@@ -265,11 +289,32 @@ pub(crate) fn read_token(buf: &[u8], pos: &mut usize) -> Option<u32> {
         *pos = p + 1;
         return Some(b as u32);
     }
+    match b {
+        0xcd => {
+            let s = buf.get(p + 1..p + 3)?;
+            *pos = p + 3;
+            Some(u16::from_be_bytes([s[0], s[1]]) as u32)
+        }
+        0xce => {
+            let s = buf.get(p + 1..p + 5)?;
+            *pos = p + 5;
+            Some(u32::from_be_bytes([s[0], s[1], s[2], s[3]]))
+        }
+        0xcc => {
+            let v = *buf.get(p + 1)?;
+            *pos = p + 2;
+            Some(v as u32)
+        }
+        _ => read_token_slow(buf, pos),
+    }
+}
+
+#[cold]
+fn read_token_slow(buf: &[u8], pos: &mut usize) -> Option<u32> {
+    let p = *pos;
+    let b = *buf.get(p)?;
     let d = buf.get(p + 1..)?;
     let (v, n): (i128, usize) = match b {
-        0xcc => (*d.first()? as i128, 1),
-        0xcd => (u16::from_be_bytes(d.get(..2)?.try_into().ok()?) as i128, 2),
-        0xce => (u32::from_be_bytes(d.get(..4)?.try_into().ok()?) as i128, 4),
         0xcf => (u64::from_be_bytes(d.get(..8)?.try_into().ok()?) as i128, 8),
         0xd0 => (*d.first()? as i8 as i128, 1),
         0xd1 => (i16::from_be_bytes(d.get(..2)?.try_into().ok()?) as i128, 2),
