@@ -293,6 +293,10 @@ pub struct Decoder {
     evs: Vec<Ev>,
     parts: Vec<Part>,
     recs: Vec<Rec>,
+    /// Per-block (token offset, packed bytes) measured with `bs_hint` while reading tokens.
+    chunks: Vec<(u32, u32)>,
+    /// The last pairable `block_size` (engines use one block size per group).
+    bs_hint: u32,
     /// 0 unknown, 1 main attention, 2 other, by group_idx.
     group_kind: Vec<u8>,
     ts: f64,
@@ -314,6 +318,8 @@ impl Decoder {
             evs: Vec::new(),
             parts: Vec::new(),
             recs: Vec::new(),
+            chunks: Vec::new(),
+            bs_hint: 16,
             group_kind: Vec::new(),
             ts: 0.0,
             payload_len: 0,
@@ -336,6 +342,7 @@ impl Decoder {
         self.evs.clear();
         self.parts.clear();
         self.recs.clear();
+        self.chunks.clear();
         self.lost_removals = 0;
         self.open = false;
         self.used = 0;

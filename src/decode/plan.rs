@@ -100,6 +100,8 @@ struct F {
     hashes: Option<(u32, u32)>,
     parent: Option<i64>,
     tokens: Option<(u32, u32)>,
+    /// Per-block token measurements made with the block-size hint: (start in `chunks`, bs).
+    chunks: Option<(u32, u32)>,
     bs: Option<u64>,
     lora_id: Option<i64>,
     medium: Option<Span>,
@@ -123,6 +125,7 @@ impl F {
             hashes: None,
             parent: None,
             tokens: None,
+            chunks: None,
             bs: None,
             lora_id: None,
             medium: None,
@@ -518,7 +521,10 @@ impl Decoder {
             F_HASHES => self.read_hashes(c)?.map(|h| f.hashes = Some(h)),
             F_PARENT => read_opt_hash(c)?.map(|v| f.parent = v),
             F_LORA_ID => read_opt_hash(c)?.map(|v| f.lora_id = v),
-            F_TOKENS => read_tokens(c)?.map(|v| f.tokens = Some(v)),
+            F_TOKENS => self.read_tokens(c)?.map(|(v, ch)| {
+                f.tokens = Some(v);
+                f.chunks = ch;
+            }),
             F_BS => {
                 let (m, _) = c.marker()?;
                 match c.int_of(m)?.and_then(Int::as_u64) {
@@ -558,6 +564,57 @@ impl Decoder {
             f.bad(why);
         }
         Ok(())
+    }
+
+    /// `token_ids`: an array of ints; returns (offset of the first element, count) and, when the
+    /// count is a multiple of the block-size hint (the last pairable store's `block_size`), the
+    /// per-block (offset, packed bytes) measured on the way, so pass 1 walks the tokens once.
+    /// Without the hint only the structure is checked here (every element an int, in bounds);
+    /// the values (0 ≤ v ≤ u32::MAX) are then checked by the measuring walk, which runs for the
+    /// stores that are forwarded with tokens.
+    #[allow(clippy::type_complexity)]
+    fn read_tokens(&mut self, c: &mut Cur<'_>) -> FR<((u32, u32), Option<(u32, u32)>)> {
+        let (m, at) = c.marker()?;
+        let n = match c.array_len(m, at)? {
+            Some(n) => n,
+            None => return Ok(Err(Invalid::Type)),
+        };
+        let first = c.pos;
+        let buf = c.buf;
+        let mut pos = first;
+        let bs = self.bs_hint as usize;
+        if n > 0 && bs > 0 && n as usize % bs == 0 {
+            let start = self.chunks.len();
+            for _ in 0..n as usize / bs {
+                let off = pos;
+                let mut tb = 0usize;
+                for _ in 0..bs {
+                    match read_token(buf, &mut pos) {
+                        Some(v) => tb += vlen(v as u64),
+                        None => {
+                            self.chunks.truncate(start);
+                            return Ok(Err(Invalid::Type));
+                        }
+                    }
+                }
+                self.chunks.push((off as u32, tb as u32));
+            }
+            c.pos = pos;
+            return Ok(Ok(((first as u32, n), Some((start as u32, bs as u32)))));
+        }
+        for _ in 0..n {
+            let Some(&b) = buf.get(pos) else { return Ok(Err(Invalid::Type)) };
+            let sz = INT_SIZE[b as usize];
+            if sz == 0 {
+                return Ok(Err(Invalid::Type));
+            }
+            pos += sz as usize;
+        }
+        if pos > buf.len() {
+            return Ok(Err(Invalid::Type));
+        }
+        c.pos = pos;
+        Ok(Ok(((first as u32, n), None)))
     }
 
     fn read_hashes(&mut self, c: &mut Cur<'_>) -> FR<(u32, u32)> {
@@ -733,12 +790,24 @@ impl Decoder {
             + opt_v(cl);
         let blk_start = self.blocks.len();
         let mut tpos = toff as usize;
+        let pre = match f.chunks {
+            Some((cs, cbs)) if pairable && cbs as u64 == bs => Some(cs as usize),
+            _ => None,
+        };
+        if pairable {
+            self.bs_hint = bs as u32;
+        }
         for i in 0..n as usize {
             let h = self.hashes[hs as usize + i];
             let mut body = per_block + if h != 0 { 1 + vlen(h as u64) } else { 0 };
-            let tok_off = tpos as u32;
+            let mut tok_off = tpos as u32;
             let mut tb = 0usize;
-            if pairable {
+            if let Some(cs) = pre {
+                let (o, t) = self.chunks[cs + i];
+                tok_off = o;
+                tb = t as usize;
+                body += ld(tb);
+            } else if pairable {
                 for _ in 0..bs {
                     let Some(v) = read_token(buf, &mut tpos) else {
                         // a token id that is negative or above u32::MAX
@@ -1089,29 +1158,3 @@ fn read_rank(c: &mut Cur<'_>) -> Result<Option<i64>, DecodeError> {
     Ok(None)
 }
 
-/// `token_ids`: an array of ints; returns (offset of the first element, count). Only the
-/// structure is checked here (every element an int, in bounds); the values (0 ≤ v ≤ u32::MAX)
-/// are checked by the measuring walk, which runs for the stores that are forwarded with tokens.
-fn read_tokens(c: &mut Cur<'_>) -> FR<(u32, u32)> {
-    let (m, at) = c.marker()?;
-    let n = match c.array_len(m, at)? {
-        Some(n) => n,
-        None => return Ok(Err(Invalid::Type)),
-    };
-    let first = c.pos;
-    let buf = c.buf;
-    let mut pos = first;
-    for _ in 0..n {
-        let Some(&b) = buf.get(pos) else { return Ok(Err(Invalid::Type)) };
-        let sz = INT_SIZE[b as usize];
-        if sz == 0 {
-            return Ok(Err(Invalid::Type));
-        }
-        pos += sz as usize;
-    }
-    if pos > buf.len() {
-        return Ok(Err(Invalid::Type));
-    }
-    c.pos = pos;
-    Ok(Ok((first as u32, n)))
-}
