@@ -28,7 +28,9 @@ fn token_heavy() -> Vec<u8> {
     e::write_array_len(&mut b, 64).unwrap();
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     for _ in 0..64 {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         e::write_u64(&mut b, x).unwrap();
     }
     e::write_str(&mut b, "parent_block_hash").unwrap();
@@ -63,7 +65,9 @@ fn removal_heavy() -> Vec<u8> {
     e::write_array_len(&mut b, 200).unwrap();
     let mut x = 0xDEAD_BEEF_CAFE_F00Du64;
     for _ in 0..200 {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         e::write_array_len(&mut b, 4).unwrap();
         e::write_str(&mut b, "BlockRemoved").unwrap();
         e::write_array_len(&mut b, 1).unwrap();
@@ -146,9 +150,11 @@ fn h(v: &Val) -> Option<i64> {
     match v {
         Val::Int(i) => Some(*i),
         Val::UInt(u) => Some(*u as i64),
-        Val::Bin(b) if !b.is_empty() => {
-            Some(b[b.len().saturating_sub(8)..].iter().fold(0u64, |a, &x| (a << 8) | x as u64) as i64)
-        }
+        Val::Bin(b) if !b.is_empty() => Some(
+            b[b.len().saturating_sub(8)..]
+                .iter()
+                .fold(0u64, |a, &x| (a << 8) | x as u64) as i64,
+        ),
         _ => None,
     }
 }
@@ -181,8 +187,14 @@ fn ek(v: &Val, out: &mut Vec<KvBlockExtraKey>) {
         Val::Bin(b) => Key::Blob(b.clone()),
         Val::Int(i) => Key::Number(*i),
         Val::UInt(x) => Key::Number(*x as i64),
-        Val::Arr(a) if a.len() == 2 && matches!((&a[0], &a[1]), (Val::Str(_), Val::Int(_) | Val::UInt(_))) => {
-            Key::Multimodal(KvMultimodalKey { identifier: s(a.first()).unwrap(), offset: h(&a[1]).unwrap() })
+        Val::Arr(a)
+            if a.len() == 2
+                && matches!((&a[0], &a[1]), (Val::Str(_), Val::Int(_) | Val::UInt(_))) =>
+        {
+            Key::Multimodal(KvMultimodalKey {
+                identifier: s(a.first()).unwrap(),
+                offset: h(&a[1]).unwrap(),
+            })
         }
         Val::Arr(a) => return a.iter().for_each(|x| ek(x, out)),
         _ => return,
@@ -193,7 +205,10 @@ fn ek(v: &Val, out: &mut Vec<KvBlockExtraKey>) {
 fn field<'a>(ev: &'a Val, k: &str, p: usize) -> Option<&'a Val> {
     match ev {
         Val::Arr(a) => a.get(p),
-        Val::Map(m) => m.iter().find(|(kk, _)| matches!(kk, Val::Str(s) if s == k)).map(|(_, v)| v),
+        Val::Map(m) => m
+            .iter()
+            .find(|(kk, _)| matches!(kk, Val::Str(s) if s == k))
+            .map(|(_, v)| v),
         _ => None,
     }
 }
@@ -209,7 +224,11 @@ fn baseline(payload: &[u8], seq: u64, eid: u64) -> Vec<u8> {
         _ => panic!(),
     };
     let Val::Arr(evs) = &top[1] else { panic!() };
-    let mut out = KvEventBatch { sequence_number: seq, timestamp: ts, ..Default::default() };
+    let mut out = KvEventBatch {
+        sequence_number: seq,
+        timestamp: ts,
+        ..Default::default()
+    };
     for ev in evs {
         // field accessor by array position or map key
         let tag = match ev {
@@ -220,8 +239,12 @@ fn baseline(payload: &[u8], seq: u64, eid: u64) -> Vec<u8> {
         let get = |k: &str, p: usize| field(ev, k, p);
         let data = match tag.as_str() {
             "BlockStored" => {
-                let Some(Val::Arr(hs)) = get("block_hashes", 1) else { continue };
-                let Some(Val::Arr(toks)) = get("token_ids", 3) else { continue };
+                let Some(Val::Arr(hs)) = get("block_hashes", 1) else {
+                    continue;
+                };
+                let Some(Val::Arr(toks)) = get("token_ids", 3) else {
+                    continue;
+                };
                 let bs = u(get("block_size", 4)).unwrap() as usize;
                 let medium = s(get("medium", 6));
                 let t = tier(&medium);
@@ -242,7 +265,10 @@ fn baseline(payload: &[u8], seq: u64, eid: u64) -> Vec<u8> {
                         KvBlock {
                             block_hash: h(hv).unwrap(),
                             token_ids: if pair {
-                                toks[i * bs..(i + 1) * bs].iter().map(|t| u(Some(t)).unwrap() as u32).collect()
+                                toks[i * bs..(i + 1) * bs]
+                                    .iter()
+                                    .map(|t| u(Some(t)).unwrap() as u32)
+                                    .collect()
                             } else {
                                 vec![]
                             },
@@ -260,7 +286,8 @@ fn baseline(payload: &[u8], seq: u64, eid: u64) -> Vec<u8> {
                     medium,
                     group_idx: u(get("group_idx", 9)).map(|g| g as u32),
                     kv_cache_spec_kind: s(get("kv_cache_spec_kind", 10)),
-                    kv_cache_spec_sliding_window: u(get("kv_cache_spec_sliding_window", 11)).map(|g| g as u32),
+                    kv_cache_spec_sliding_window: u(get("kv_cache_spec_sliding_window", 11))
+                        .map(|g| g as u32),
                     locality: None,
                     ownership: s(get("ownership", usize::MAX)),
                     session_id: s(get("session_id", usize::MAX)),
@@ -269,7 +296,9 @@ fn baseline(payload: &[u8], seq: u64, eid: u64) -> Vec<u8> {
                 })
             }
             "BlockRemoved" => {
-                let Some(Val::Arr(hs)) = get("block_hashes", 1) else { continue };
+                let Some(Val::Arr(hs)) = get("block_hashes", 1) else {
+                    continue;
+                };
                 let medium = s(get("medium", 2));
                 let t = tier(&medium);
                 Data::Removed(KvBlocksRemoved {
@@ -282,11 +311,16 @@ fn baseline(payload: &[u8], seq: u64, eid: u64) -> Vec<u8> {
                     ownership: s(get("ownership", usize::MAX)),
                 })
             }
-            "AllBlocksCleared" => Data::Cleared(KvCacheCleared { ownership: s(get("ownership", usize::MAX)) }),
+            "AllBlocksCleared" => Data::Cleared(KvCacheCleared {
+                ownership: s(get("ownership", usize::MAX)),
+            }),
             _ => continue,
         };
         let id = eid + out.events.len() as u64;
-        out.events.push(KvCacheEvent { event_id: id, data: Some(data) });
+        out.events.push(KvCacheEvent {
+            event_id: id,
+            data: Some(data),
+        });
     }
     out.encode_to_vec()
 }
@@ -298,7 +332,11 @@ fn ours(dec: &mut Decoder, payload: &[u8], out: &mut [u8]) -> usize {
     let mut n = 0;
     let mut eid = 1;
     for i in 0..plan.records {
-        let hdr = RecordHeader { sequence_number: 1 + i as u64, first_event_id: eid, dp_rank: None };
+        let hdr = RecordHeader {
+            sequence_number: 1 + i as u64,
+            first_event_id: eid,
+            dp_rank: None,
+        };
         let len = dec.record_len(i, &hdr);
         n += dec.write_record(payload, i, &hdr, &mut out[n..n + len]);
         eid += dec.record_events(i);
@@ -307,22 +345,36 @@ fn ours(dec: &mut Decoder, payload: &[u8], out: &mut [u8]) -> usize {
 }
 
 fn bench(c: &mut Criterion) {
-    for (name, payload) in [("token_heavy", token_heavy()), ("removal_heavy", removal_heavy())] {
-        let mut dec = Decoder::new(DecodeConfig { profile: Profile::All, ..Default::default() });
+    for (name, payload) in [
+        ("token_heavy", token_heavy()),
+        ("removal_heavy", removal_heavy()),
+    ] {
+        let mut dec = Decoder::new(DecodeConfig {
+            profile: Profile::All,
+            ..Default::default()
+        });
         let mut out = vec![0u8; 1 << 20];
         // same bytes as the baseline
         let n = ours(&mut dec, &payload, &mut out);
-        assert_eq!(&out[..n], &baseline(&payload, 1, 1)[..], "{name}: outputs differ");
+        assert_eq!(
+            &out[..n],
+            &baseline(&payload, 1, 1)[..],
+            "{name}: outputs differ"
+        );
         let mut g = c.benchmark_group(name);
         g.throughput(Throughput::Bytes(payload.len() as u64));
-        g.bench_function("kvbridge", |b| b.iter(|| black_box(ours(&mut dec, black_box(&payload), &mut out))));
+        g.bench_function("kvbridge", |b| {
+            b.iter(|| black_box(ours(&mut dec, black_box(&payload), &mut out)))
+        });
         g.bench_function("memcpy", |b| {
             b.iter(|| {
                 out[..payload.len()].copy_from_slice(black_box(&payload));
                 black_box(&out);
             })
         });
-        g.bench_function("rmp_serde_prost", |b| b.iter(|| black_box(baseline(black_box(&payload), 1, 1))));
+        g.bench_function("rmp_serde_prost", |b| {
+            b.iter(|| black_box(baseline(black_box(&payload), 1, 1)))
+        });
         g.finish();
     }
 }

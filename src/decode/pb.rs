@@ -3,8 +3,19 @@
 /// Encoded size of a varint.
 #[inline(always)]
 pub(crate) fn vlen(v: u64) -> usize {
-    ((64 - (v | 1).leading_zeros() as usize) + 6) / 7
+    VLEN_BY_LZ[(v | 1).leading_zeros() as usize] as usize
 }
+
+/// Varint size by the value's leading-zero count (0..=63).
+static VLEN_BY_LZ: [u8; 64] = {
+    let mut t = [0u8; 64];
+    let mut lz = 0;
+    while lz < 64 {
+        t[lz] = ((64 - lz + 6) / 7) as u8;
+        lz += 1;
+    }
+    t
+};
 
 /// Size of a length-delimited field (tag byte + length prefix + body).
 #[inline(always)]

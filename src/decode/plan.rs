@@ -159,29 +159,34 @@ fn span(c: &Cur<'_>, s: &[u8]) -> Span {
     }
 }
 
-fn read_opt_str(c: &mut Cur<'_>) -> FR<Option<Span>> {
+#[inline]
+fn read_opt_str(c: &mut Cur<'_>, out: &mut Option<Span>) -> FR<()> {
     let (m, at) = c.marker()?;
     if m == Marker::Null {
-        return Ok(Ok(None));
+        *out = None;
+        return Ok(Ok(()));
     }
     match c.str_of(m, at)? {
         Some(s) => {
-            if std::str::from_utf8(s).is_err() {
+            if !s.is_ascii() && std::str::from_utf8(s).is_err() {
                 return Ok(Err(Invalid::Utf8));
             }
-            Ok(Ok(Some(span(c, s))))
+            *out = Some(span(c, s));
+            Ok(Ok(()))
         }
         None => Ok(Err(Invalid::Type)),
     }
 }
 
 /// A hash / lora_id: int (low 64 bits) or bin (last 8 bytes BE, len ≥ 1); nil → None.
-fn read_opt_hash(c: &mut Cur<'_>) -> FR<Option<i64>> {
+#[inline]
+fn read_opt_hash(c: &mut Cur<'_>, out: &mut Option<i64>) -> FR<()> {
     let (m, at) = c.marker()?;
     if m == Marker::Null {
-        return Ok(Ok(None));
+        *out = None;
+        return Ok(Ok(()));
     }
-    read_hash_after(c, m, at).map(|r| r.map(Some))
+    Ok(read_hash_after(c, m, at)?.map(|h| *out = Some(h)))
 }
 
 #[inline]
@@ -195,13 +200,18 @@ fn read_hash_after(c: &mut Cur<'_>, m: Marker, at: usize) -> FR<i64> {
     }
 }
 
-fn read_opt_u32(c: &mut Cur<'_>) -> FR<Option<u32>> {
+#[inline]
+fn read_opt_u32(c: &mut Cur<'_>, out: &mut Option<u32>) -> FR<()> {
     let (m, _) = c.marker()?;
     if m == Marker::Null {
-        return Ok(Ok(None));
+        *out = None;
+        return Ok(Ok(()));
     }
     match c.int_of(m)?.and_then(Int::as_u64) {
-        Some(v) if v <= u32::MAX as u64 => Ok(Ok(Some(v as u32))),
+        Some(v) if v <= u32::MAX as u64 => {
+            *out = Some(v as u32);
+            Ok(Ok(()))
+        }
         _ => Ok(Err(Invalid::Type)),
     }
 }
@@ -519,8 +529,8 @@ impl Decoder {
         let vs = c.pos;
         let r: Result<(), Invalid> = match id {
             F_HASHES => self.read_hashes(c)?.map(|h| f.hashes = Some(h)),
-            F_PARENT => read_opt_hash(c)?.map(|v| f.parent = v),
-            F_LORA_ID => read_opt_hash(c)?.map(|v| f.lora_id = v),
+            F_PARENT => read_opt_hash(c, &mut f.parent)?,
+            F_LORA_ID => read_opt_hash(c, &mut f.lora_id)?,
             F_TOKENS => self.read_tokens(c)?.map(|(v, ch)| {
                 f.tokens = Some(v);
                 f.chunks = ch;
@@ -535,15 +545,15 @@ impl Decoder {
                     None => Err(Invalid::Type),
                 }
             }
-            F_MEDIUM => read_opt_str(c)?.map(|v| f.medium = v),
-            F_LORA_NAME => read_opt_str(c)?.map(|v| f.lora_name = v),
-            F_KIND => read_opt_str(c)?.map(|v| f.kind = v),
-            F_LOCALITY => read_opt_str(c)?.map(|v| f.locality = v),
-            F_OWNERSHIP => read_opt_str(c)?.map(|v| f.ownership = v),
-            F_SESSION => read_opt_str(c)?.map(|v| f.session = v),
-            F_SALT => read_opt_str(c)?.map(|v| f.salt = v),
-            F_GROUP => read_opt_u32(c)?.map(|v| f.group = v),
-            F_SLIDING => read_opt_u32(c)?.map(|v| f.sliding = v),
+            F_MEDIUM => read_opt_str(c, &mut f.medium)?,
+            F_LORA_NAME => read_opt_str(c, &mut f.lora_name)?,
+            F_KIND => read_opt_str(c, &mut f.kind)?,
+            F_LOCALITY => read_opt_str(c, &mut f.locality)?,
+            F_OWNERSHIP => read_opt_str(c, &mut f.ownership)?,
+            F_SESSION => read_opt_str(c, &mut f.session)?,
+            F_SALT => read_opt_str(c, &mut f.salt)?,
+            F_GROUP => read_opt_u32(c, &mut f.group)?,
+            F_SLIDING => read_opt_u32(c, &mut f.sliding)?,
             F_EXTRA => {
                 if c.peek()? != 0xc0 {
                     f.extra = Some(c.pos as u32);
@@ -603,7 +613,9 @@ impl Decoder {
             return Ok(Ok(((first as u32, n), Some((start as u32, bs as u32)))));
         }
         for _ in 0..n {
-            let Some(&b) = buf.get(pos) else { return Ok(Err(Invalid::Type)) };
+            let Some(&b) = buf.get(pos) else {
+                return Ok(Err(Invalid::Type));
+            };
             let sz = INT_SIZE[b as usize];
             if sz == 0 {
                 return Ok(Err(Invalid::Type));
@@ -652,10 +664,11 @@ impl Decoder {
         for _ in 0..n {
             let (km, kat) = c.marker()?;
             match c.str_of(km, kat)? {
-                Some(b"cache_salt") => match read_opt_str(c)? {
-                    Ok(v) => f.salt = v,
-                    Err(e) => return Ok(Err(e)),
-                },
+                Some(b"cache_salt") => {
+                    if let Err(e) = read_opt_str(c, &mut f.salt)? {
+                        return Ok(Err(e));
+                    }
+                }
                 k => {
                     if k.is_none() {
                         c.pos = kat;
@@ -1012,6 +1025,16 @@ impl Decoder {
             }
             EvKind::Cleared => (ev.fixed_len as usize, ev.fixed_len as usize),
         };
+        let eb = entry_bound(whole);
+        if self.open && self.used + eb <= thr {
+            self.push_part(ei, 0, ev.n, whole, eb);
+            return;
+        }
+        if eb <= room {
+            self.open = false;
+            self.push_part(ei, 0, ev.n, whole, eb);
+            return;
+        }
         if entry_bound(unit_max) > room {
             self.stats.oversized_events += 1;
             if ev.kind == EvKind::Stored {
@@ -1024,16 +1047,7 @@ impl Decoder {
             self.evs.pop();
             return;
         }
-        let eb = entry_bound(whole);
-        if self.open && self.used + eb <= thr {
-            self.push_part(ei, 0, ev.n, whole, eb);
-            return;
-        }
-        if eb <= room {
-            self.open = false;
-            self.push_part(ei, 0, ev.n, whole, eb);
-            return;
-        }
+
         // split at block / hash boundaries
         self.stats.split_events += 1;
         let mut lo = 0u32;
@@ -1157,4 +1171,3 @@ fn read_rank(c: &mut Cur<'_>) -> Result<Option<i64>, DecodeError> {
     c.skip_value()?;
     Ok(None)
 }
-
