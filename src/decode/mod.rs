@@ -230,6 +230,8 @@ pub(crate) struct Ev {
     n: u32,
     /// Encoded bytes of the fields other than blocks+parent (stores) / hashes (removals).
     fixed_len: u32,
+    /// Removals: Σ varint sizes of all hashes.
+    packed: u32,
 }
 
 impl Ev {
@@ -253,6 +255,7 @@ impl Ev {
         blk_start: 0,
         n: 0,
         fixed_len: 0,
+        packed: 0,
     };
 }
 

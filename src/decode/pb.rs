@@ -46,7 +46,15 @@ impl W<'_> {
     }
     #[inline(always)]
     pub fn bytes(&mut self, s: &[u8]) {
-        self.buf[self.pos..self.pos + s.len()].copy_from_slice(s);
+        let d = &mut self.buf[self.pos..self.pos + s.len()];
+        if s.len() <= 16 {
+            // short strings (medium, kind, …): avoid a memmove call
+            for (d, s) in d.iter_mut().zip(s) {
+                *d = *s;
+            }
+        } else {
+            d.copy_from_slice(s);
+        }
         self.pos += s.len();
     }
     /// Tag + length + bytes.

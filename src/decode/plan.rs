@@ -98,6 +98,8 @@ struct F {
     tag: Tag,
     seen: u32,
     hashes: Option<(u32, u32)>,
+    /// Σ varint sizes of the hashes (packed `block_hashes` of a removal).
+    packed: u32,
     parent: Option<i64>,
     tokens: Option<(u32, u32)>,
     /// Per-block token measurements made with the block-size hint: (start in `chunks`, bs).
@@ -123,6 +125,7 @@ impl F {
             tag: Tag::Missing,
             seen: 0,
             hashes: None,
+            packed: 0,
             parent: None,
             tokens: None,
             chunks: None,
@@ -528,7 +531,10 @@ impl Decoder {
     fn field(&mut self, c: &mut Cur<'_>, id: u32, f: &mut F) -> Result<(), DecodeError> {
         let vs = c.pos;
         let r: Result<(), Invalid> = match id {
-            F_HASHES => self.read_hashes(c)?.map(|h| f.hashes = Some(h)),
+            F_HASHES => self.read_hashes(c)?.map(|(h, packed)| {
+                f.hashes = Some(h);
+                f.packed = packed;
+            }),
             F_PARENT => read_opt_hash(c, &mut f.parent)?,
             F_LORA_ID => read_opt_hash(c, &mut f.lora_id)?,
             F_TOKENS => self.read_tokens(c)?.map(|(v, ch)| {
@@ -629,7 +635,7 @@ impl Decoder {
         Ok(Ok(((first as u32, n), None)))
     }
 
-    fn read_hashes(&mut self, c: &mut Cur<'_>) -> FR<(u32, u32)> {
+    fn read_hashes(&mut self, c: &mut Cur<'_>) -> FR<((u32, u32), u32)> {
         let (m, at) = c.marker()?;
         let n = match c.array_len(m, at)? {
             Some(n) => n,
@@ -639,17 +645,21 @@ impl Decoder {
             return Ok(Err(Invalid::TooManyBlocks));
         }
         let start = self.hashes.len() as u32;
+        let mut packed = 0usize;
         for _ in 0..n {
             let (m, at) = c.marker()?;
             match read_hash_after(c, m, at)? {
-                Ok(h) => self.hashes.push(h),
+                Ok(h) => {
+                    packed += vlen(h as u64);
+                    self.hashes.push(h);
+                }
                 Err(e) => {
                     self.hashes.truncate(start as usize);
                     return Ok(Err(e));
                 }
             }
         }
-        Ok(Ok((start, n)))
+        Ok(Ok(((start, n), packed as u32)))
     }
 
     fn read_metadata(&mut self, c: &mut Cur<'_>, f: &mut F) -> FR<()> {
@@ -872,6 +882,7 @@ impl Decoder {
             blk_start: blk_start as u32,
             n,
             fixed_len: fixed as u32,
+            packed: 0,
         };
         self.evs.push(ev);
         self.pack(hmark);
@@ -936,6 +947,7 @@ impl Decoder {
             hash_start: hs,
             n,
             fixed_len: fixed as u32,
+            packed: f.packed,
             ..Ev::EMPTY
         };
         self.evs.push(ev);
@@ -993,6 +1005,7 @@ impl Decoder {
                 fixed_len: e.fixed_len,
                 blk_start: e.blk_start,
                 hash_start: e.hash_start,
+                packed: e.packed,
             }
         };
         let thr = self.cfg.split_threshold;
@@ -1014,10 +1027,7 @@ impl Decoder {
                 )
             }
             EvKind::Removed => {
-                let s: usize = self.hashes[ev.hash_start as usize..(ev.hash_start + ev.n) as usize]
-                    .iter()
-                    .map(|&h| vlen(h as u64))
-                    .sum();
+                let s = ev.packed as usize;
                 (
                     ev.fixed_len as usize + ld(s),
                     ev.fixed_len as usize + ld(10),
@@ -1132,6 +1142,7 @@ struct PackInfo {
     fixed_len: u32,
     blk_start: u32,
     hash_start: u32,
+    packed: u32,
 }
 
 /// `ts`: float64, float32 or int.

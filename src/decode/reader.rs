@@ -67,20 +67,20 @@ impl<'a> Cur<'a> {
             self.pos,
         )
     }
-    #[inline]
+    #[inline(always)]
     pub fn peek(&self) -> Result<u8, DecodeError> {
         match self.buf.get(self.pos) {
             Some(&b) => Ok(b),
             None => Err(self.trunc(1)),
         }
     }
-    #[inline]
+    #[inline(always)]
     pub fn byte(&mut self) -> Result<u8, DecodeError> {
         let b = self.peek()?;
         self.pos += 1;
         Ok(b)
     }
-    #[inline]
+    #[inline(always)]
     pub fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if n > self.left() {
             return Err(self.trunc(n));
@@ -89,12 +89,15 @@ impl<'a> Cur<'a> {
         self.pos += n;
         Ok(s)
     }
-    #[inline]
+    #[inline(always)]
     fn be<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let s = self.take(N)?;
-        let mut a = [0u8; N];
-        a.copy_from_slice(s);
-        Ok(a)
+        match self.buf.get(self.pos..self.pos + N) {
+            Some(s) => {
+                self.pos += N;
+                Ok(s.try_into().expect("N bytes"))
+            }
+            None => Err(self.trunc(N)),
+        }
     }
     #[inline]
     fn u8d(&mut self) -> Result<u64, DecodeError> {
@@ -118,7 +121,7 @@ impl<'a> Cur<'a> {
         }
     }
     /// Reads a marker; returns it with its offset.
-    #[inline]
+    #[inline(always)]
     pub fn marker(&mut self) -> Result<(Marker, usize), DecodeError> {
         let at = self.pos;
         let b = self.byte()?;
@@ -126,7 +129,7 @@ impl<'a> Cur<'a> {
     }
 
     /// Array length for an array marker (`None` for any other marker).
-    #[inline]
+    #[inline(always)]
     pub fn array_len(&mut self, m: Marker, at: usize) -> Result<Option<u32>, DecodeError> {
         let n = match m {
             Marker::FixArray(n) => n as u64,
@@ -149,7 +152,7 @@ impl<'a> Cur<'a> {
         Ok(Some(n as u32))
     }
     /// String bytes for a str marker (`None` for any other marker). Not UTF-8-checked.
-    #[inline]
+    #[inline(always)]
     pub fn str_of(&mut self, m: Marker, at: usize) -> Result<Option<&'a [u8]>, DecodeError> {
         let n = match m {
             Marker::FixStr(n) => n as u64,
@@ -162,7 +165,7 @@ impl<'a> Cur<'a> {
         self.take(n as usize).map(Some)
     }
     /// Bin bytes for a bin marker (`None` for any other marker).
-    #[inline]
+    #[inline(always)]
     pub fn bin_of(&mut self, m: Marker, at: usize) -> Result<Option<&'a [u8]>, DecodeError> {
         let n = match m {
             Marker::Bin8 => self.u8d()?,
@@ -174,7 +177,7 @@ impl<'a> Cur<'a> {
         self.take(n as usize).map(Some)
     }
     /// Integer for an int marker of any width (`None` for any other marker).
-    #[inline]
+    #[inline(always)]
     pub fn int_of(&mut self, m: Marker) -> Result<Option<Int>, DecodeError> {
         Ok(Some(match m {
             Marker::FixPos(v) => Int::U(v as u64),
