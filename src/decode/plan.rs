@@ -11,10 +11,13 @@ use rmp::Marker;
 /// (1 + 8), dp_rank (1 + 10). Records are cut against this bound, so any header fits.
 pub(crate) const REC_OVERHEAD_MAX: usize = 31;
 
-/// Worst-case bytes of one `events` entry whose `data` body is `d` bytes (event_id ≤ 1 + 10).
-#[inline]
+/// Upper bound of the bytes of one `events` entry whose `data` body is `d` (< 2^32) bytes:
+/// tag 1 + length ≤ 5 + event_id ≤ 1 + 10 + data tag 1 + length ≤ 5 + `d`. A closed form
+/// instead of the exact varint sizes keeps pass 1 free of dependent size chains; it only
+/// makes cuts a few bytes more conservative.
+#[inline(always)]
 pub(crate) fn entry_bound(d: usize) -> usize {
-    ld(11 + ld(d))
+    d + 23
 }
 
 // Field ids (map keys / array positions).
