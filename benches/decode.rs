@@ -85,7 +85,7 @@ fn removal_heavy() -> Vec<u8> {
 #[derive(Debug, Clone)]
 enum Val {
     Nil,
-    Bool(bool),
+    Bool(#[allow(dead_code)] bool),
     Int(i64),
     UInt(u64),
     F64(f64),

@@ -370,7 +370,8 @@ fn locality_and_extra_key_shapes() {
 
 #[test]
 fn batch_level_errors_are_typed_with_offsets() {
-    let cases: Vec<(Vec<u8>, fn(&DecodeErrorKind) -> bool, usize)> = vec![
+    type Case = (Vec<u8>, fn(&DecodeErrorKind) -> bool, usize);
+    let cases: Vec<Case> = vec![
         (vec![], |k| matches!(k, DecodeErrorKind::Empty), 0),
         (
             vec![0x92, 0xcb, 0x41],

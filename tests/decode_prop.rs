@@ -275,6 +275,9 @@ fn arb_batch() -> impl Strategy<Value = Batch> {
 
 // ---------------------------------------------------------------- the independent encoder
 
+/// Writes one map entry (key + value).
+type FieldFn = Box<dyn Fn(&mut Enc)>;
+
 struct Enc {
     b: Vec<u8>,
     rng: u64,
@@ -512,7 +515,7 @@ fn enc_event(en: &mut Enc, ev: &Ev, map: bool, lay: u8) -> Option<Ev> {
         Ev::Removed(r) => {
             let mut r = r.clone();
             if map {
-                let mut fields: Vec<Box<dyn Fn(&mut Enc)>> = Vec::new();
+                let mut fields: Vec<FieldFn> = Vec::new();
                 let rr = r.clone();
                 fields.push(Box::new(|en: &mut Enc| {
                     en.str("type");
@@ -582,7 +585,7 @@ fn enc_event(en: &mut Enc, ev: &Ev, map: bool, lay: u8) -> Option<Ev> {
         Ev::Stored(s) => {
             let mut s = s.clone();
             if map {
-                let mut fields: Vec<Box<dyn Fn(&mut Enc)>> = Vec::new();
+                let mut fields: Vec<FieldFn> = Vec::new();
                 fields.push(Box::new(|en: &mut Enc| {
                     en.str("type");
                     en.str("BlockStored");
@@ -728,7 +731,7 @@ fn enc_event(en: &mut Enc, ev: &Ev, map: bool, lay: u8) -> Option<Ev> {
 }
 
 /// Writes map fields in a random order with random unknown keys mixed in.
-fn write_map_fields(en: &mut Enc, mut fields: Vec<Box<dyn Fn(&mut Enc)>>) {
+fn write_map_fields(en: &mut Enc, mut fields: Vec<FieldFn>) {
     // shuffle
     for i in (1..fields.len()).rev() {
         let j = (en.r() % (i as u64 + 1)) as usize;

@@ -29,6 +29,10 @@
 //! offsets and writes protobuf straight into the caller's slot, using the recorded lengths as
 //! length prefixes.
 //!
+//! Token ids are walked twice in steady state: once in pass 1, where the per-block packed sizes
+//! are measured on the way using the last seen `block_size` as a hint (a store whose size differs
+//! from the hint gets one extra measuring walk), and once in pass 2.
+//!
 //! # Accepted layouts (engine-wire.md §3–§6)
 //!
 //! * Batch: array `[ts, events]` or `[ts, events, rank]` (extra trailing elements skipped and
@@ -44,7 +48,8 @@
 //!   counted. A known event failing validation (wrong types, missing `block_hashes` /
 //!   `token_ids` / `block_size`, a token id that is not a u32, invalid UTF-8 in a string that
 //!   is copied, more than `max_blocks_per_event` hashes) is skipped and counted; the batch goes
-//!   on. Skipped or oversized `BlockRemoved`s are reported in [`BatchPlan::lost_removals`] so the
+//!   on. (Token values are only required to be u32 when the store is forwarded with tokens;
+//!   for hash-only or filtered stores only their structure — ints, in bounds — is checked.) Skipped or oversized `BlockRemoved`s are reported in [`BatchPlan::lost_removals`] so the
 //!   caller can signal loss in-band (engine-wire §8).
 //!
 //! # Mapping decisions
@@ -55,7 +60,7 @@
 //! * **Locality** LOCAL/REMOTE (case-insensitive) → enum; other values unset and counted.
 //! * **extra_keys**, per block *i*: nil → none; str → `text`, bin → `blob`, int → `number`,
 //!   (str, int) → `multimodal`; an array of such items → one key per item (one nested level
-//!   flattened); other shapes skipped and counted ([`ekeys`](self) module docs).
+//!   flattened); other shapes skipped and counted (`ekeys.rs`).
 //! * **Unpairable stores** (`block_size == 0`, or `len(token_ids) != len(block_hashes) *
 //!   block_size`, e.g. vLLM's compacted hash lists) and **placeholders** (`token_ids == []`,
 //!   `block_size == 0`: offload "hashes exist in this tier"): counted separately. With
@@ -77,7 +82,8 @@
 //! # Splitting
 //!
 //! Records are cut so that every record is ≤ `split_threshold` bytes **for any header** (the
-//! cut uses the worst case: 10-byte varints for sequence number, event ids and dp_rank). Events
+//! cut uses the worst case: 10-byte varints for sequence number, event ids and dp_rank, 5-byte
+//! length prefixes). Events
 //! are packed in order; an event that does not fit the current record starts a new one; an
 //! event that does not fit an empty record is split: a store into consecutive stores of one
 //! chain (each part's `parent_block_hash` is the previous part's last hash, all other fields
@@ -380,9 +386,11 @@ impl Decoder {
 
     /// Pass 2: writes record `i` into `out[..record_len]` and returns that length.
     ///
-    /// `payload` must be the bytes given to the last `plan`. Panics (caller bugs) if `i` is out
-    /// of range, `payload`'s length differs from the planned one, or `out` is shorter than
-    /// `record_len(i, hdr)`. Bytes of `out` past the record are untouched.
+    /// `payload` must be the bytes given to the last `plan`, and `hdr` the header given to
+    /// `record_len`. Panics (caller bugs) if `i` is out of range, `payload`'s length differs from
+    /// the planned one, or `out` is shorter than `record_len(i, hdr)` (index out of bounds while
+    /// writing; the part of `out` written so far is garbage then). Bytes of `out` past the
+    /// record are untouched.
     pub fn write_record(
         &self,
         payload: &[u8],

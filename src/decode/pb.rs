@@ -11,7 +11,7 @@ static VLEN_BY_LZ: [u8; 64] = {
     let mut t = [0u8; 64];
     let mut lz = 0;
     while lz < 64 {
-        t[lz] = ((64 - lz + 6) / 7) as u8;
+        t[lz] = (64 - lz).div_ceil(7) as u8;
         lz += 1;
     }
     t
