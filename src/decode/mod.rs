@@ -48,8 +48,9 @@
 //!   counted. A known event failing validation (wrong types, missing `block_hashes` /
 //!   `token_ids` / `block_size`, a token id that is not a u32, invalid UTF-8 in a string that
 //!   is copied, more than `max_blocks_per_event` hashes) is skipped and counted; the batch goes
-//!   on. (Token values are only required to be u32 when the store is forwarded with tokens;
-//!   for hash-only or filtered stores only their structure — ints, in bounds — is checked.) Skipped or oversized `BlockRemoved`s are reported in [`BatchPlan::lost_removals`] so the
+//!   on. (Token values are always checked for stores forwarded with tokens, and also while the
+//!   block-size hint applies; otherwise hash-only or filtered stores get a structural check.)
+//!   Skipped or oversized `BlockRemoved`s are reported in [`BatchPlan::lost_removals`] so the
 //!   caller can signal loss in-band (engine-wire §8).
 //!
 //! # Mapping decisions
