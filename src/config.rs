@@ -23,6 +23,8 @@ pub const DEFAULT_RING_SIZE: u64 = 64 << 20;
 pub const MIN_RING_SIZE: u64 = 1 << 20;
 /// Default split threshold for one record (smg-api.md §6.3).
 pub const DEFAULT_SPLIT_THRESHOLD: u64 = 1 << 20;
+/// Default health grace period (ms) after start-up and after the last upstream disconnect.
+pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 /// Records must stay below gRPC's default 4 MiB message limit (G1 gateways).
 pub const MAX_SPLIT_THRESHOLD: u64 = (4 << 20) - 64 * 1024;
 
@@ -141,6 +143,23 @@ pub struct ServeArgs {
     /// Log format [default: text].
     #[arg(long = "log-format", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Health stays SERVING this long after start-up and after the last upstream disconnect,
+    /// in ms [default: 10000].
+    #[arg(long = "health-grace-ms", value_name = "MS")]
+    pub health_grace_ms: Option<u64>,
+    /// TLS certificate chain (PEM) for gRPC; needs `--tls-key`.
+    #[arg(long = "tls-cert", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) for gRPC; needs `--tls-cert`.
+    #[arg(long = "tls-key", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// File holding the bearer token gRPC subscribers must send (`authorization: Bearer …`);
+    /// the env var KVBRIDGE_AUTH_TOKEN is the alternative. The token is never a flag value.
+    #[arg(long = "auth-token-file", value_name = "FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// HTTP/2 max concurrent streams per gRPC connection [default: h2's, unlimited by tonic].
+    #[arg(long = "max-streams-per-connection", value_name = "N")]
+    pub max_streams_per_connection: Option<u32>,
 }
 
 /// The same settings as read from a TOML file.
@@ -167,6 +186,11 @@ struct FileConfig {
     shm_group_read: Option<bool>,
     metrics: Option<String>,
     log_format: Option<LogFormat>,
+    health_grace_ms: Option<u64>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    auth_token_file: Option<PathBuf>,
+    max_streams_per_connection: Option<u32>,
 }
 
 /// A size in TOML: a number of bytes or a string like "64MiB".
@@ -234,6 +258,70 @@ pub struct ServeConfig {
     pub metrics: Option<SocketAddr>,
     /// Log format.
     pub log_format: LogFormat,
+    /// Health grace period after start-up and after the last upstream disconnect.
+    pub health_grace: std::time::Duration,
+    /// TLS certificate chain and key (PEM), read at validation time.
+    pub tls: Option<TlsFiles>,
+    /// Bearer token every `SubscribeKvEvents` call must carry, if set.
+    pub auth_token: Option<String>,
+    /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
+    pub max_streams_per_connection: Option<u32>,
+}
+
+/// PEM contents of `--tls-cert` and `--tls-key`.
+#[derive(Clone)]
+pub struct TlsFiles {
+    /// Certificate chain, PEM.
+    pub cert: Vec<u8>,
+    /// Private key, PEM.
+    pub key: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TlsFiles({} cert bytes, key redacted)", self.cert.len())
+    }
+}
+
+/// Environment variable holding the gRPC bearer token (alternative to `--auth-token-file`).
+pub const AUTH_TOKEN_ENV: &str = "KVBRIDGE_AUTH_TOKEN";
+
+fn read_pem(flag: &str, path: &Path, marker: &str) -> Result<Vec<u8>, ConfigError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| ConfigError::Invalid(format!("{flag} {}: {e}", path.display())))?;
+    if !String::from_utf8_lossy(&bytes).contains(marker) {
+        return Err(ConfigError::Invalid(format!(
+            "{flag} {}: not a PEM file (no {marker:?} block)",
+            path.display()
+        )));
+    }
+    Ok(bytes)
+}
+
+fn resolve_token(file: Option<&Path>) -> Result<Option<String>, ConfigError> {
+    let (text, from) = match file {
+        Some(p) => (
+            std::fs::read_to_string(p).map_err(|e| {
+                ConfigError::Invalid(format!("--auth-token-file {}: {e}", p.display()))
+            })?,
+            format!("--auth-token-file {}", p.display()),
+        ),
+        None => match std::env::var(AUTH_TOKEN_ENV) {
+            Ok(v) => (v, AUTH_TOKEN_ENV.to_string()),
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            Err(e) => return Err(ConfigError::Invalid(format!("{AUTH_TOKEN_ENV}: {e}"))),
+        },
+    };
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(ConfigError::Invalid(format!("{from}: the token is empty")));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::Invalid(format!(
+            "{from}: the token must be one line of printable ASCII without spaces"
+        )));
+    }
+    Ok(Some(token.to_string()))
 }
 
 impl ServeArgs {
@@ -342,6 +430,49 @@ impl ServeArgs {
                 "--seq-base: sequence numbers start at 1 (0 is never sent)".into(),
             ));
         }
+        let health_grace_ms = self
+            .health_grace_ms
+            .or(file.health_grace_ms)
+            .unwrap_or(DEFAULT_HEALTH_GRACE_MS);
+        if health_grace_ms > 24 * 3600 * 1000 {
+            return Err(ConfigError::Invalid(format!(
+                "--health-grace-ms {health_grace_ms}: must be at most a day (86400000)"
+            )));
+        }
+        let tls = match (
+            self.tls_cert.clone().or(file.tls_cert),
+            self.tls_key.clone().or(file.tls_key),
+        ) {
+            (None, None) => None,
+            (Some(c), Some(k)) => Some(TlsFiles {
+                cert: read_pem("--tls-cert", &c, "CERTIFICATE")?,
+                key: read_pem("--tls-key", &k, "PRIVATE KEY")?,
+            }),
+            (Some(_), None) => {
+                return Err(ConfigError::Invalid(
+                    "--tls-cert needs --tls-key (give both or neither)".into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::Invalid(
+                    "--tls-key needs --tls-cert (give both or neither)".into(),
+                ))
+            }
+        };
+        let auth_token = resolve_token(
+            self.auth_token_file
+                .clone()
+                .or(file.auth_token_file)
+                .as_deref(),
+        )?;
+        let max_streams_per_connection = self
+            .max_streams_per_connection
+            .or(file.max_streams_per_connection);
+        if max_streams_per_connection == Some(0) {
+            return Err(ConfigError::Invalid(
+                "--max-streams-per-connection: must be at least 1 (omit it for the default)".into(),
+            ));
+        }
         Ok(ServeConfig {
             ranks,
             topic: self.topic.clone().or(file.topic).unwrap_or_default(),
@@ -361,6 +492,10 @@ impl ServeArgs {
             shm_group_read: self.shm_group_read || file.shm_group_read.unwrap_or(false),
             metrics,
             log_format: self.log_format.or(file.log_format).unwrap_or_default(),
+            health_grace: std::time::Duration::from_millis(health_grace_ms),
+            tls,
+            auth_token,
+            max_streams_per_connection,
         })
     }
 }
@@ -609,5 +744,53 @@ mod tests {
         assert_eq!(a.resolve().unwrap().grpc.port(), 7001);
         std::fs::write(&p, "bogus-key = 1\n").unwrap();
         assert!(a.resolve().unwrap_err().to_string().contains("bogus-key"));
+    }
+
+    #[test]
+    fn ops_settings_from_toml_and_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key, tok) = (
+            dir.path().join("c.pem"),
+            dir.path().join("k.pem"),
+            dir.path().join("t"),
+        );
+        std::fs::write(&cert, "-----BEGIN CERTIFICATE-----\nx\n").unwrap();
+        std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\nx\n").unwrap();
+        std::fs::write(&tok, "  abc.DEF-123\n").unwrap();
+        let p = dir.path().join("k.toml");
+        std::fs::write(
+            &p,
+            format!(
+                "zmq = [\"tcp://*:6000\"]\nhealth-grace-ms = 250\nmax-streams-per-connection = 512\n\
+                 tls-cert = {cert:?}\ntls-key = {key:?}\nauth-token-file = {tok:?}\n"
+            ),
+        )
+        .unwrap();
+        let mut a = ServeArgs {
+            config: Some(p),
+            ..Default::default()
+        };
+        let c = a.resolve().unwrap();
+        assert_eq!(c.health_grace, std::time::Duration::from_millis(250));
+        assert_eq!(c.max_streams_per_connection, Some(512));
+        assert_eq!(c.auth_token.as_deref(), Some("abc.DEF-123"));
+        assert!(c.tls.is_some());
+        assert!(
+            !format!("{c:?}").contains("PRIVATE"),
+            "key redacted in Debug"
+        );
+        a.max_streams_per_connection = Some(0);
+        assert!(a
+            .resolve()
+            .unwrap_err()
+            .to_string()
+            .contains("--max-streams-per-connection"));
+        let d = args(&["tcp://*:5557"]);
+        if std::env::var_os(AUTH_TOKEN_ENV).is_none() {
+            let c = d.resolve().unwrap();
+            assert!(c.auth_token.is_none() && c.tls.is_none());
+            assert_eq!(c.health_grace.as_millis() as u64, DEFAULT_HEALTH_GRACE_MS);
+            assert_eq!(c.max_streams_per_connection, None);
+        }
     }
 }

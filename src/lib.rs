@@ -20,6 +20,7 @@ pub mod cli;
 pub mod config;
 pub mod decode;
 pub mod fanout;
+pub mod health;
 pub mod ingest;
 pub mod metrics;
 pub mod proto;

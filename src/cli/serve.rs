@@ -9,7 +9,8 @@ use kvbridge_shm::WriterOptions;
 
 use super::CliError;
 use crate::config::{DpMode, ServeArgs, ServeConfig};
-use crate::fanout::Fanout;
+use crate::fanout::{EdgeOptions, Fanout};
+use crate::health::UpstreamState;
 use crate::ingest::{self, Ingest, Targets};
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
@@ -54,6 +55,7 @@ pub struct ServiceHandle {
     shutdown_tx: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
+    health_task: tokio::task::JoinHandle<()>,
     hubs: Vec<Arc<RingHub>>,
 }
 
@@ -78,6 +80,7 @@ impl ServiceHandle {
         if let Some(t) = self.metrics_task {
             t.abort();
         }
+        self.health_task.abort();
         self.heartbeat_stop.store(true, Ordering::SeqCst);
         let _ = self.heartbeat.join();
         drop(self.fanout);
@@ -138,8 +141,25 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
             own: rank_hubs.get(r.rank as usize).cloned(),
         })
         .collect();
-    let ingest = Ingest::start(cfg, targets, &recovered.last_upstream, &metrics)
-        .map_err(|e| setup(e.to_string()))?;
+    let upstream = UpstreamState::new(cfg.ranks.len());
+    let ingest = Ingest::start(
+        cfg,
+        targets,
+        &recovered.last_upstream,
+        &metrics,
+        upstream.clone(),
+    )
+    .map_err(|e| setup(e.to_string()))?;
+    metrics
+        .ring_capacity
+        .with_label_values(&[merged.label()])
+        .set(cfg.ring_size as i64);
+    for h in &rank_hubs {
+        metrics
+            .ring_capacity
+            .with_label_values(&[h.label()])
+            .set(cfg.ring_size as i64);
+    }
 
     let mut hubs = vec![merged.clone()];
     hubs.extend(rank_hubs.iter().cloned());
@@ -156,8 +176,23 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     ));
     let metrics_task =
         metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
+    let (reporter, _) = tonic_health::server::health_reporter();
+    let health_task = tokio::spawn(crate::health::run_reporter(
+        reporter.clone(),
+        upstream,
+        cfg.health_grace,
+        crate::fanout::service_names(),
+        metrics.clone(),
+    ));
+    let edge = EdgeOptions {
+        tls: cfg.tls.clone(),
+        auth_token: cfg.auth_token.clone(),
+        max_streams_per_connection: cfg.max_streams_per_connection,
+        health: Some(reporter),
+    };
+    let router = crate::fanout::router_with(fanout.clone(), &edge)
+        .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;
     let server = {
-        let fanout = fanout.clone();
         let mut rx = shutdown_rx;
         tokio::spawn(async move {
             let stop = async move {
@@ -165,12 +200,13 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
                 // Let streams deliver their UNAVAILABLE before connections close.
                 tokio::time::sleep(Duration::from_millis(200)).await;
             };
-            if let Err(e) = crate::fanout::serve(listener, fanout, stop).await {
+            if let Err(e) = crate::fanout::serve(listener, router, stop).await {
                 tracing::error!(error = %e, "gRPC server failed");
             }
         })
     };
-    tracing::info!(%grpc_addr, metrics = ?metrics_addr, ranks = cfg.ranks.len(), "serving SubscribeKvEvents");
+    tracing::info!(%grpc_addr, metrics = ?metrics_addr, ranks = cfg.ranks.len(), tls = cfg.tls.is_some(),
+        auth = cfg.auth_token.is_some(), "serving SubscribeKvEvents");
     Ok(ServiceHandle {
         grpc_addr,
         metrics_addr,
@@ -183,6 +219,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         shutdown_tx,
         server,
         metrics_task,
+        health_task,
         hubs,
     })
 }

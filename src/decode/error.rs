@@ -80,6 +80,25 @@ pub struct DecodeError {
     pub offset: usize,
 }
 
+impl DecodeErrorKind {
+    /// A short name for metrics labels.
+    pub fn label(&self) -> &'static str {
+        match self {
+            DecodeErrorKind::Empty => "empty",
+            DecodeErrorKind::Truncated { .. } => "truncated",
+            DecodeErrorKind::LengthExceedsInput { .. } => "length_exceeds_input",
+            DecodeErrorKind::InvalidMarker => "invalid_marker",
+            DecodeErrorKind::TooDeep { .. } => "too_deep",
+            DecodeErrorKind::WrongType { .. } => "wrong_type",
+            DecodeErrorKind::BatchTooShort { .. } => "batch_too_short",
+            DecodeErrorKind::MissingField(_) => "missing_field",
+            DecodeErrorKind::DuplicateKey(_) => "duplicate_key",
+            DecodeErrorKind::TooManyEvents { .. } => "too_many_events",
+            DecodeErrorKind::PayloadTooLarge { .. } => "payload_too_large",
+        }
+    }
+}
+
 impl DecodeError {
     #[cold]
     pub(crate) fn new(kind: DecodeErrorKind, offset: usize) -> Self {

@@ -86,7 +86,7 @@ pub struct DecodeStats {
 }
 
 impl DecodeStats {
-    /// Every counter with its metric label (exported as `kvbridge_decoder_events{kind=…}`).
+    /// Every counter with its metric label (exported as `kvbridge_decoder_events_total{rank,kind}`).
     pub fn counters(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
         [
             ("batches", self.batches),

@@ -25,7 +25,7 @@ use tonic::Status;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
-pub use service::{router, serve};
+pub use service::{router, router_with, serve, service_names, EdgeOptions};
 
 /// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
 /// bytes as they are, so tonic's codec copies them to the transport buffer without re-encoding.
@@ -213,6 +213,8 @@ impl Fanout {
             shutdown: self.shutdown.clone(),
             scratch: Vec::new(),
             done: false,
+            last_ingest_ns: 0,
+            metrics: self.metrics.clone(),
             _guard: guard,
         })
     }
@@ -268,6 +270,8 @@ pub struct Subscription {
     shutdown: tokio::sync::watch::Receiver<bool>,
     scratch: Vec<u8>,
     done: bool,
+    last_ingest_ns: u64,
+    metrics: Arc<Metrics>,
     _guard: ActiveGuard,
 }
 
@@ -293,7 +297,8 @@ impl Subscription {
                     "kvbridge is shutting down; resubscribe with the same cursor",
                 ));
             }
-            if let Some(b) = self.hub.cached(self.next) {
+            if let Some((b, ingest_ns)) = self.hub.cached_at(self.next) {
+                self.last_ingest_ns = ingest_ns;
                 self.next += 1;
                 return Ok(EncodedBatch(b));
             }
@@ -314,9 +319,11 @@ impl Subscription {
             match self.reader.next() {
                 ReadOutcome::Record(v) => {
                     debug_assert_eq!(v.seq(), self.next);
+                    let ingest_ns = v.meta().ingest_ns;
                     if !v.copy_to(&mut self.scratch) {
                         continue; // overwritten during the copy: the seek above reports it
                     }
+                    self.last_ingest_ns = ingest_ns;
                     self.next += 1;
                     return Ok(EncodedBatch(Bytes::copy_from_slice(&self.scratch)));
                 }
@@ -334,6 +341,11 @@ impl Subscription {
     }
 
     fn lapped(&self, oldest: u64) -> Status {
+        let m = &self.metrics;
+        m.ring_reader_laps
+            .with_label_values(&[self.hub.label()])
+            .inc();
+        m.slow_disconnects.with_label_values(&[self.path]).inc();
         let last = self.next - 1;
         let missed = oldest.saturating_sub(self.next);
         Status::data_loss(format!(
@@ -344,5 +356,10 @@ impl Subscription {
     /// The path this subscription came in on.
     pub fn path(&self) -> &'static str {
         self.path
+    }
+
+    /// Ingest time (Unix ns) of the batch `next_batch` returned last (0: unknown).
+    pub fn last_ingest_ns(&self) -> u64 {
+        self.last_ingest_ns
     }
 }

@@ -40,13 +40,50 @@ pub type BatchStream = Pin<Box<dyn Stream<Item = Result<EncodedBatch, Status>> +
 pub struct PathHandler {
     fanout: Arc<Fanout>,
     path: &'static str,
+    auth: Option<Arc<[u8]>>,
+}
+
+/// Compares without an early exit, so response time says nothing about a token's prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl PathHandler {
+    /// `authorization: Bearer <token>` when a token is configured; else `UNAUTHENTICATED`.
+    fn check_auth(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let Some(want) = &self.auth else {
+            return Ok(());
+        };
+        let ok = md
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let v = v.trim();
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), want));
+        if ok {
+            return Ok(());
+        }
+        let m = &self.fanout.metrics;
+        m.auth_failures.inc();
+        m.statuses
+            .with_label_values(&[code_label(tonic::Code::Unauthenticated)])
+            .inc();
+        Err(Status::unauthenticated(
+            "missing or wrong bearer token: send metadata `authorization: Bearer <token>`",
+        ))
+    }
+
     fn open(
         &self,
         req: Request<SubscribeKvEventsRequest>,
     ) -> Result<Response<BatchStream>, Status> {
+        self.check_auth(req.metadata())?;
         let rank = req
             .metadata()
             .get(DP_RANK_HEADER)
@@ -65,7 +102,11 @@ impl PathHandler {
                     Ok(b) => {
                         metrics.batches_sent.inc();
                         metrics.bytes_sent.inc_by(b.0.len() as u64);
-                        let _ = &latency;
+                        let t = sub.last_ingest_ns();
+                        if t > 0 {
+                            let now = crate::ring::unix_nanos();
+                            latency.observe(now.saturating_sub(t) as f64 * 1e-9);
+                        }
                     }
                     Err(s) => {
                         metrics
@@ -104,16 +145,65 @@ impl_path!(vllm::vllm_engine_server::VllmEngine);
 impl_path!(tokenspeed::token_speed_scheduler_server::TokenSpeedScheduler);
 impl_path!(trtllm::trtllm_service_server::TrtllmService);
 
-/// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically.
+/// What the gRPC edge adds around `SubscribeKvEvents`: TLS, a bearer token, the stream limit
+/// per connection and the health service.
+#[derive(Clone, Default)]
+pub struct EdgeOptions {
+    /// Serve TLS with this certificate chain and key.
+    pub tls: Option<crate::config::TlsFiles>,
+    /// Bearer token required on `SubscribeKvEvents` (health and reflection stay open).
+    pub auth_token: Option<String>,
+    /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
+    pub max_streams_per_connection: Option<u32>,
+    /// Serve `grpc.health.v1.Health` from this reporter.
+    pub health: Option<tonic_health::server::HealthReporter>,
+}
+
+/// The fully-qualified names of the four `SubscribeKvEvents` services.
+pub fn service_names() -> Vec<&'static str> {
+    use tonic::server::NamedService;
+    vec![
+        <sglang::sglang_scheduler_server::SglangSchedulerServer<PathHandler> as NamedService>::NAME,
+        <vllm::vllm_engine_server::VllmEngineServer<PathHandler> as NamedService>::NAME,
+        <tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer<PathHandler> as NamedService>::NAME,
+        <trtllm::trtllm_service_server::TrtllmServiceServer<PathHandler> as NamedService>::NAME,
+    ]
+}
+
+/// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically, with default
+/// edge options (no TLS, no token, no health service) plus reflection.
 pub fn router(fanout: Arc<Fanout>) -> tonic::transport::server::Router {
+    router_with(fanout, &EdgeOptions::default()).expect("router without TLS")
+}
+
+/// As [`router`], with TLS, the token, the stream limit and health from `opts`.
+pub fn router_with(
+    fanout: Arc<Fanout>,
+    opts: &EdgeOptions,
+) -> Result<tonic::transport::server::Router, tonic::transport::Error> {
+    let auth: Option<Arc<[u8]>> = opts.auth_token.as_ref().map(|t| t.as_bytes().into());
     let h = |path: &'static str| PathHandler {
         fanout: fanout.clone(),
         path,
+        auth: auth.clone(),
     };
     let p = crate::proto::SUBSCRIBE_PATHS;
+    let mut builder = server_builder().max_concurrent_streams(opts.max_streams_per_connection);
+    if let Some(tls) = &opts.tls {
+        let identity = tonic::transport::Identity::from_pem(&tls.cert, &tls.key);
+        builder =
+            builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))?;
+    }
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let v1 = reflection().build_v1().expect("valid descriptor set");
+    let v1alpha = reflection().build_v1alpha().expect("valid descriptor set");
     // Records are kept under 4 MiB by the decoder's split threshold; the encode limit is left
     // at tonic's default (unlimited) so a limit here can never turn a valid record into an error.
-    server_builder()
+    let mut router = builder
         .add_service(sglang::sglang_scheduler_server::SglangSchedulerServer::new(
             h(p[0]),
         ))
@@ -124,6 +214,14 @@ pub fn router(fanout: Arc<Fanout>) -> tonic::transport::server::Router {
         .add_service(trtllm::trtllm_service_server::TrtllmServiceServer::new(h(
             p[3],
         )))
+        .add_service(v1)
+        .add_service(v1alpha);
+    if let Some(reporter) = &opts.health {
+        router = router.add_service(tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
+        ));
+    }
+    Ok(router)
 }
 
 /// Transport settings: SMG pings every 30 s even when idle, so pings are accepted (tonic does not
@@ -139,11 +237,11 @@ fn server_builder() -> tonic::transport::Server {
 /// Serves on an already-bound listener until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    fanout: Arc<Fanout>,
+    router: tonic::transport::server::Router,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    router(fanout)
+    router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }

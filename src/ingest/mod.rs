@@ -20,6 +20,7 @@ use thiserror::Error;
 
 use crate::config::{RankEndpoint, ServeConfig};
 use crate::decode::{DecodeConfig, Decoder};
+use crate::health::UpstreamState;
 use crate::metrics::{Metrics, RankMetrics};
 use crate::ring::{unix_nanos, ClearCause, RingHub};
 use upstream::{Limits, RankState, ReplayEnd, ReplaySource, Sink};
@@ -67,12 +68,13 @@ impl Ingest {
         targets: Vec<Targets>,
         last_upstream: &std::collections::HashMap<u32, u64>,
         metrics: &Arc<Metrics>,
+        upstream: Arc<UpstreamState>,
     ) -> Result<Ingest, IngestError> {
         let ctx = zmq::Context::new();
         let stop = Arc::new(AtomicBool::new(false));
         let mut workers = Vec::new();
         for (rank, tgt) in cfg.ranks.iter().zip(targets) {
-            let sub = open_sub(&ctx, rank, cfg.topic.as_bytes())?;
+            let (sub, monitor) = open_sub(&ctx, rank, cfg.topic.as_bytes())?;
             let m = metrics.rank(rank.rank);
             let decoder = Decoder::new(DecodeConfig {
                 split_threshold: cfg.split_threshold as usize,
@@ -84,6 +86,8 @@ impl Ingest {
                 rank: rank.clone(),
                 ctx: ctx.clone(),
                 sub,
+                monitor,
+                upstream: upstream.clone(),
                 topic: cfg.topic.as_bytes().to_vec(),
                 state: RankState::new(last, Limits::default(), m.clone()),
                 sink: RingSink::new(rank.rank, decoder, tgt, m.clone(), metrics.clone()),
@@ -113,11 +117,20 @@ impl Ingest {
     }
 }
 
+/// Socket monitor events the rank thread follows (engine-wire.md §1: the PUB side never says
+/// anything, so the transport is the only sign of a publisher).
+const MONITOR_EVENTS: i32 = zmq::SocketEvent::CONNECTED as i32
+    | zmq::SocketEvent::ACCEPTED as i32
+    | zmq::SocketEvent::DISCONNECTED as i32
+    | zmq::SocketEvent::CLOSED as i32;
+
+/// Creates the rank's SUB with a socket monitor (a PAIR receiving its connection events) attached
+/// before the SUB binds or connects, so no event is missed.
 fn open_sub(
     ctx: &zmq::Context,
     rank: &RankEndpoint,
     topic: &[u8],
-) -> Result<zmq::Socket, IngestError> {
+) -> Result<(zmq::Socket, zmq::Socket), IngestError> {
     let err = |what, source| IngestError::Socket {
         rank: rank.rank,
         what,
@@ -130,18 +143,42 @@ fn open_sub(
     sub.set_linger(0).map_err(|e| err("set LINGER", e))?;
     sub.set_ipv6(true).map_err(|e| err("enable IPv6", e))?;
     sub.set_subscribe(topic).map_err(|e| err("subscribe", e))?;
+    let mon_ep = format!("inproc://kvbridge-monitor-rank-{}", rank.rank);
+    sub.monitor(&mon_ep, MONITOR_EVENTS)
+        .map_err(|e| err("monitor", e))?;
+    let monitor = ctx.socket(zmq::PAIR).map_err(|e| err("create PAIR", e))?;
+    monitor.set_linger(0).map_err(|e| err("set LINGER", e))?;
+    monitor
+        .connect(&mon_ep)
+        .map_err(|e| err("connect monitor", e))?;
     if rank.bind {
         sub.bind(&rank.endpoint).map_err(|e| err("bind", e))?;
     } else {
         sub.connect(&rank.endpoint).map_err(|e| err("connect", e))?;
     }
-    Ok(sub)
+    Ok((sub, monitor))
+}
+
+/// Parses a socket monitor message: `[u16 event LE, u32 value LE]` then the endpoint.
+pub fn parse_monitor_event(frames: &[Vec<u8>]) -> Option<(u16, String)> {
+    let first = frames.first()?;
+    if first.len() < 6 {
+        return None;
+    }
+    let event = u16::from_le_bytes([first[0], first[1]]);
+    let endpoint = frames
+        .get(1)
+        .map(|e| String::from_utf8_lossy(e).into_owned())
+        .unwrap_or_default();
+    Some((event, endpoint))
 }
 
 struct RankWorker {
     rank: RankEndpoint,
     ctx: zmq::Context,
     sub: zmq::Socket,
+    monitor: zmq::Socket,
+    upstream: Arc<UpstreamState>,
     topic: Vec<u8>,
     state: RankState,
     sink: RingSink,
@@ -194,14 +231,25 @@ impl RankWorker {
             zmq::Message::new(),
         ];
         while !self.stop.load(Ordering::Relaxed) {
-            match self.sub.poll(zmq::POLLIN, 100) {
-                Ok(0) => continue,
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::error!(rank = self.rank.rank, error = %e, "poll failed");
-                    std::thread::sleep(Duration::from_millis(100));
-                    continue;
+            let (data, events) = {
+                let mut items = [
+                    self.sub.as_poll_item(zmq::POLLIN),
+                    self.monitor.as_poll_item(zmq::POLLIN),
+                ];
+                match zmq::poll(&mut items, 100) {
+                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
+                    Err(e) => {
+                        tracing::error!(rank = self.rank.rank, error = %e, "poll failed");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
                 }
+            };
+            if events {
+                self.drain_monitor();
+            }
+            if !data {
+                continue;
             }
             // Drain what is ready, then look at the stop flag again.
             for _ in 0..4096 {
@@ -251,6 +299,35 @@ impl RankWorker {
         }
         self.sink.flush_decoder_metrics(true);
         tracing::info!(rank = self.rank.rank, "ingest stopped");
+    }
+}
+
+impl RankWorker {
+    /// Applies every pending socket monitor event to the shared upstream state and metrics.
+    fn drain_monitor(&mut self) {
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            let Some((event, endpoint)) = parse_monitor_event(&frames) else {
+                continue;
+            };
+            let rank = self.rank.rank;
+            match zmq::SocketEvent::from_raw(event) {
+                zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
+                    self.m.connects.inc();
+                    let n = self.upstream.on_connect(rank);
+                    self.m.connected.set(n);
+                    tracing::info!(rank, %endpoint, connections = n, "engine publisher connected");
+                }
+                zmq::SocketEvent::DISCONNECTED => {
+                    self.m.disconnects.inc();
+                    let n = self.upstream.on_disconnect(rank);
+                    self.m.connected.set(n);
+                    tracing::warn!(rank, %endpoint, connections = n, "engine publisher disconnected");
+                }
+                other => {
+                    tracing::debug!(rank, %endpoint, event = ?other, "socket event");
+                }
+            }
+        }
     }
 }
 
@@ -442,7 +519,7 @@ impl Sink for RingSink {
         let plan = match self.decoder.plan(payload) {
             Ok(p) => p,
             Err(e) => {
-                self.m.decode_errors.inc();
+                self.m.decode_error(e.kind.label());
                 let msg = format!("undecodable batch (engine seq {seq}): {e}");
                 self.warn_limited("undecodable", &msg);
                 self.clear(seq, ClearCause::Undecodable);
@@ -499,12 +576,8 @@ impl Sink for RingSink {
 
     fn clear(&mut self, upstream_seq: u64, cause: ClearCause) {
         self.m.clear(cause.label());
-        tracing::warn!(
-            rank = self.rank,
-            upstream_seq,
-            cause = cause.label(),
-            "signalling a cleared cache in band"
-        );
+        let msg = format!("signalling a cleared cache in band (engine seq {upstream_seq})");
+        self.warn_limited(cause.label(), &msg);
         let targets: Vec<(Arc<RingHub>, bool)> =
             self.ring_targets().map(|(h, s)| (h.clone(), s)).collect();
         for (hub, sends_rank) in targets {

@@ -31,16 +31,32 @@ pub struct Metrics {
     pub engine_restarts: IntCounterVec,
     /// Synthesized in-band clears, per rank and cause.
     pub synthesized_clears: IntCounterVec,
-    /// Batches that could not be decoded at all, per rank.
+    /// Batches that could not be decoded at all, per rank and error kind.
     pub decode_errors: IntCounterVec,
+    /// Publisher connections established (ZMQ monitor CONNECTED/ACCEPTED), per rank.
+    pub publisher_connects: IntCounterVec,
+    /// Publisher disconnects (ZMQ monitor DISCONNECTED), per rank.
+    pub publisher_disconnects: IntCounterVec,
+    /// Publisher connections currently up, per rank.
+    pub upstream_connected: IntGaugeVec,
+    /// Health status served on grpc.health.v1 (1 SERVING, 0 NOT_SERVING).
+    pub health_serving: IntGauge,
+    /// Ring capacity in bytes, per ring.
+    pub ring_capacity: IntGaugeVec,
+    /// Subscribers that fell a lap behind and were ended with DATA_LOSS, per ring.
+    pub ring_reader_laps: IntCounterVec,
+    /// Subscribers disconnected for being too slow (DATA_LOSS), per path.
+    pub slow_disconnects: IntCounterVec,
+    /// Calls rejected for a missing or wrong bearer token.
+    pub auth_failures: IntCounter,
     /// Duplicates dropped while merging replay and live, per rank.
     pub duplicates_dropped: IntCounterVec,
     /// Batches whose own rank element differs from the socket's rank.
     pub rank_mismatch: IntCounterVec,
     /// Last engine sequence applied, per rank.
     pub last_upstream_seq: IntGaugeVec,
-    /// Decoder counters (events by type, skipped fields, filters), per rank and kind.
-    pub decoder: IntGaugeVec,
+    /// Decoder counters (events by type, skipped fields and tags, filters), per rank and kind.
+    pub decoder: IntCounterVec,
     /// Records written, per ring.
     pub ring_records: IntCounterVec,
     /// Record bytes written, per ring.
@@ -152,9 +168,58 @@ impl Metrics {
             decode_errors: counter(
                 &r,
                 "decode_errors_total",
-                "Batches that could not be decoded",
+                "Batches that could not be decoded, by error kind",
+                &["rank", "kind"],
+            ),
+            publisher_connects: counter(
+                &r,
+                "publisher_connects_total",
+                "Engine publisher connections established",
                 &["rank"],
             ),
+            publisher_disconnects: counter(
+                &r,
+                "publisher_disconnects_total",
+                "Engine publisher disconnects",
+                &["rank"],
+            ),
+            upstream_connected: gauge(
+                &r,
+                "upstream_connected",
+                "Engine publisher connections currently up",
+                &["rank"],
+            ),
+            health_serving: {
+                let g = IntGauge::new(
+                    "health_serving",
+                    "grpc.health.v1 status: 1 SERVING, 0 NOT_SERVING",
+                )
+                .expect("metric");
+                r.register(Box::new(g.clone())).expect("unique");
+                g
+            },
+            ring_capacity: gauge(&r, "ring_capacity_bytes", "Ring data capacity", &["ring"]),
+            ring_reader_laps: counter(
+                &r,
+                "ring_reader_laps_total",
+                "In-process readers (subscribers) overtaken by the writer",
+                &["ring"],
+            ),
+            slow_disconnects: counter(
+                &r,
+                "slow_subscriber_disconnects_total",
+                "Subscribers ended with DATA_LOSS for falling a ring lap behind",
+                &["path"],
+            ),
+            auth_failures: {
+                let c = IntCounter::new(
+                    "auth_failures_total",
+                    "gRPC calls rejected with UNAUTHENTICATED",
+                )
+                .expect("metric");
+                r.register(Box::new(c.clone())).expect("unique");
+                c
+            },
             duplicates_dropped: counter(
                 &r,
                 "duplicates_dropped_total",
@@ -173,10 +238,10 @@ impl Metrics {
                 "Last engine sequence applied",
                 &["rank"],
             ),
-            decoder: gauge(
+            decoder: counter(
                 &r,
-                "decoder_events",
-                "Decoder counters by kind",
+                "decoder_events_total",
+                "Decoder counters by kind (events by type, skipped keys/tags, filtered, splits)",
                 &["rank", "kind"],
             ),
             ring_records: counter(&r, "ring_records_total", "Records written", &["ring"]),
@@ -217,7 +282,10 @@ impl Metrics {
             batches: self.batches_received.with_label_values(&l),
             gaps: self.upstream_gaps.with_label_values(&l),
             restarts: self.engine_restarts.with_label_values(&l),
-            decode_errors: self.decode_errors.with_label_values(&l),
+            decode_errors: self.decode_errors.clone(),
+            connects: self.publisher_connects.with_label_values(&l),
+            disconnects: self.publisher_disconnects.with_label_values(&l),
+            connected: self.upstream_connected.with_label_values(&l),
             duplicates: self.duplicates_dropped.with_label_values(&l),
             replayed: self.replayed_batches.with_label_values(&l),
             rank_mismatch: self.rank_mismatch.with_label_values(&l),
@@ -247,8 +315,12 @@ pub struct RankMetrics {
     pub gaps: IntCounter,
     /// Restarts.
     pub restarts: IntCounter,
-    /// Undecodable batches.
-    pub decode_errors: IntCounter,
+    /// Publisher connections established.
+    pub connects: IntCounter,
+    /// Publisher disconnects.
+    pub disconnects: IntCounter,
+    /// Publisher connections up.
+    pub connected: IntGauge,
     /// Duplicates dropped.
     pub duplicates: IntCounter,
     /// Batches recovered by replay.
@@ -257,10 +329,11 @@ pub struct RankMetrics {
     pub rank_mismatch: IntCounter,
     /// Last engine seq.
     pub last_seq: IntGauge,
+    decode_errors: IntCounterVec,
     frames_dropped: IntCounterVec,
     replays: IntCounterVec,
     clears: IntCounterVec,
-    decoder: IntGaugeVec,
+    decoder: IntCounterVec,
 }
 
 impl RankMetrics {
@@ -268,6 +341,12 @@ impl RankMetrics {
     pub fn frame_dropped(&self, reason: &str) {
         self.frames_dropped
             .with_label_values(&[self.label.as_str(), reason])
+            .inc();
+    }
+    /// Counts an undecodable batch by error kind.
+    pub fn decode_error(&self, kind: &str) {
+        self.decode_errors
+            .with_label_values(&[self.label.as_str(), kind])
             .inc();
     }
     /// Counts a replay outcome (`requested`, `succeeded`, `history_missing`, `timed_out`, …).
@@ -282,11 +361,13 @@ impl RankMetrics {
             .with_label_values(&[self.label.as_str(), cause])
             .inc();
     }
-    /// Sets a decoder counter.
+    /// Brings a decoder counter up to `value` (the decoder's own running total).
     pub fn decoder_set(&self, kind: &str, value: u64) {
-        self.decoder
-            .with_label_values(&[self.label.as_str(), kind])
-            .set(value as i64);
+        let c = self.decoder.with_label_values(&[self.label.as_str(), kind]);
+        let cur = c.get();
+        if value > cur {
+            c.inc_by(value - cur);
+        }
     }
 }
 

@@ -74,10 +74,11 @@ pub enum RingError {
     Write(#[from] ShmError),
 }
 
-/// Most recent records as shared bytes, indexed by sequence number.
+/// Most recent records as shared bytes with their ingest time (Unix ns), indexed by sequence
+/// number.
 struct RecentCache {
     first_seq: u64,
-    items: VecDeque<Bytes>,
+    items: VecDeque<(Bytes, u64)>,
     bytes: usize,
 }
 
@@ -85,24 +86,31 @@ const CACHE_MAX_ITEMS: usize = 8192;
 const CACHE_MAX_BYTES: usize = 32 << 20;
 
 impl RecentCache {
+    #[cfg(test)]
     fn push(&mut self, seq: u64, b: Bytes) {
+        self.push_at(seq, b, 0)
+    }
+    fn push_at(&mut self, seq: u64, b: Bytes, ingest_ns: u64) {
         if self.items.is_empty() || seq != self.first_seq + self.items.len() as u64 {
             self.items.clear();
             self.bytes = 0;
             self.first_seq = seq;
         }
         self.bytes += b.len();
-        self.items.push_back(b);
+        self.items.push_back((b, ingest_ns));
         while self.items.len() > CACHE_MAX_ITEMS
             || (self.bytes > CACHE_MAX_BYTES && self.items.len() > 1)
         {
-            if let Some(old) = self.items.pop_front() {
+            if let Some((old, _)) = self.items.pop_front() {
                 self.bytes -= old.len();
                 self.first_seq += 1;
             }
         }
     }
     fn get(&self, seq: u64) -> Option<Bytes> {
+        self.get_at(seq).map(|(b, _)| b)
+    }
+    fn get_at(&self, seq: u64) -> Option<(Bytes, u64)> {
         let i = seq.checked_sub(self.first_seq)?;
         self.items.get(i as usize).cloned()
     }
@@ -241,7 +249,7 @@ impl RingHub {
             st.next_event_id += dec.record_events(i);
             out.records += 1;
             out.bytes += len;
-            self.cache.write().push(seq, shared);
+            self.cache.write().push_at(seq, shared, meta.ingest_ns);
             self.newest.store(seq, Ordering::Release);
         }
         drop(st);
@@ -270,16 +278,17 @@ impl RingHub {
         let mut slot = st.writer.reserve(len)?;
         slot.buf().copy_from_slice(&buf[..len]);
         let seq = slot.seq();
+        let ingest_ns = unix_nanos();
         slot.commit(RecordMeta {
             dp_rank: rank,
             upstream_seq,
             flags: FLAG_SYNTHESIZED | ((cause as u32) << 8),
-            ingest_ns: unix_nanos(),
+            ingest_ns,
         });
         st.next_event_id += 1;
         drop(st);
         buf.truncate(len);
-        self.cache.write().push(seq, Bytes::from(buf));
+        self.cache.write().push_at(seq, Bytes::from(buf), ingest_ns);
         self.newest.store(seq, Ordering::Release);
         self.notify.notify_waiters();
         Ok(seq)
@@ -308,6 +317,11 @@ impl RingHub {
     /// The encoded record `seq` if it is still in the recent cache.
     pub fn cached(&self, seq: u64) -> Option<Bytes> {
         self.cache.read().get(seq)
+    }
+
+    /// The encoded record `seq` and its ingest time (Unix ns), if still in the recent cache.
+    pub fn cached_at(&self, seq: u64) -> Option<(Bytes, u64)> {
+        self.cache.read().get_at(seq)
     }
 
     /// Resolves when a record newer than `seq` may exist (or after `max_wait`).

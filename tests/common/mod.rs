@@ -302,3 +302,107 @@ pub fn workload_batches(seed: u64, n: usize) -> Vec<Vec<SimEvent>> {
     let mut w = Workload::new(seed);
     (0..n).map(|_| w.next_batch()).collect()
 }
+
+// ---- operations helpers (tests/ops.rs) ----
+
+impl Engine {
+    /// A simulated engine bound at the given endpoints (e.g. to come back on the same port
+    /// after a previous one at `endpoint` was dropped).
+    pub fn start_at(endpoint: &str, replay: &str) -> Engine {
+        let (endpoint, replay) = (endpoint.to_string(), replay.to_string());
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (ep, rp) = (endpoint.clone(), replay.clone());
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let ctx = zmq::Context::new();
+            let mut p =
+                EnginePublisher::bind(&ctx, &ep, Some(&rp), "").expect("bind engine sockets");
+            ready_tx.send(()).unwrap();
+            loop {
+                match rx.recv_timeout(Duration::from_millis(1)) {
+                    Ok(job) => job(&mut p),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+                p.serve_replay();
+            }
+        });
+        ready_rx.recv().unwrap();
+        Engine {
+            tx,
+            endpoint,
+            replay,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Bridge {
+    /// Starts `kvbridge serve` with `extra` flags, a fresh gRPC port and metrics on a fresh port
+    /// (returned), and waits until gRPC accepts connections.
+    pub fn start_with_metrics(dir: &Path, shm: &Path, extra: &[String]) -> (Bridge, SocketAddr) {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--grpc".into(),
+            grpc.to_string(),
+            "--shm".into(),
+            shm.display().to_string(),
+            "--metrics".into(),
+            metrics.to_string(),
+        ];
+        args.extend(extra.iter().cloned());
+        (Self::start_args(dir, grpc, shm, args), metrics)
+    }
+}
+
+/// GET /metrics (blocking).
+pub fn scrape(addr: SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").expect("HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
+}
+
+/// Sum of the samples of `name` whose labels include every `key="value"` in `labels`.
+pub fn metric(page: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (lhs, value) = l.rsplit_once(' ')?;
+            let (n, lab) = match lhs.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (lhs, ""),
+            };
+            if n != name {
+                return None;
+            }
+            let ok = labels
+                .iter()
+                .all(|(k, v)| lab.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+            ok.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+/// Polls `/metrics` until `pred` holds (or panics after `timeout` with the page).
+pub fn wait_metrics(addr: SocketAddr, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let page = scrape(addr);
+        if pred(&page) {
+            return page;
+        }
+        if Instant::now() > deadline {
+            panic!("metrics condition not met within {timeout:?}; page:\n{page}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,143 @@
+//! Upstream health: which engine publishers are connected (from ZMQ socket monitor events on each
+//! rank's SUB), and the `grpc.health.v1.Health` status derived from it.
+//!
+//! The bridge is SERVING while at least one publisher is connected, and during a grace period
+//! after start-up and after the last disconnect (an engine restart, a rolling update); otherwise
+//! NOT_SERVING. The status is set for the whole server (`""`) and for each of the four
+//! `SubscribeKvEvents` services.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use crate::metrics::Metrics;
+
+/// Connection state of every rank's publisher(s), shared by the rank threads and the health task.
+pub struct UpstreamState {
+    connected: Vec<AtomicI64>,
+    start: Instant,
+    /// Milliseconds after `start` of the last disconnect, plus one (0: none yet).
+    last_disconnect_ms: AtomicU64,
+}
+
+impl UpstreamState {
+    /// State for `ranks` ranks, nothing connected yet.
+    pub fn new(ranks: usize) -> Arc<Self> {
+        Arc::new(UpstreamState {
+            connected: (0..ranks).map(|_| AtomicI64::new(0)).collect(),
+            start: Instant::now(),
+            last_disconnect_ms: AtomicU64::new(0),
+        })
+    }
+
+    /// A publisher connection of `rank` came up.
+    pub fn on_connect(&self, rank: u32) -> i64 {
+        match self.connected.get(rank as usize) {
+            Some(c) => c.fetch_add(1, Ordering::AcqRel) + 1,
+            None => 0,
+        }
+    }
+
+    /// A publisher connection of `rank` went down.
+    pub fn on_disconnect(&self, rank: u32) -> i64 {
+        let ms = self.start.elapsed().as_millis() as u64 + 1;
+        self.last_disconnect_ms.fetch_max(ms, Ordering::AcqRel);
+        match self.connected.get(rank as usize) {
+            Some(c) => {
+                // Never below zero: a DISCONNECTED without a matching CONNECTED (a handshake
+                // that failed half-way) must not hide a later connection.
+                let mut cur = c.load(Ordering::Acquire);
+                loop {
+                    let next = (cur - 1).max(0);
+                    match c.compare_exchange(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                        Ok(_) => return next,
+                        Err(v) => cur = v,
+                    }
+                }
+            }
+            None => 0,
+        }
+    }
+
+    /// Ranks with at least one publisher connected.
+    pub fn connected_ranks(&self) -> usize {
+        self.connected
+            .iter()
+            .filter(|c| c.load(Ordering::Acquire) > 0)
+            .count()
+    }
+
+    /// SERVING: a publisher is connected, or start-up / the last disconnect is within `grace`.
+    pub fn serving(&self, grace: Duration) -> bool {
+        if self.connected_ranks() > 0 {
+            return true;
+        }
+        let now = self.start.elapsed();
+        let since = match self.last_disconnect_ms.load(Ordering::Acquire) {
+            0 => now,
+            ms => now.saturating_sub(Duration::from_millis(ms - 1)),
+        };
+        since < grace
+    }
+}
+
+/// Keeps `reporter` in line with `state` (checked every 100 ms) until the task is aborted.
+pub async fn run_reporter(
+    reporter: HealthReporter,
+    state: Arc<UpstreamState>,
+    grace: Duration,
+    services: Vec<&'static str>,
+    metrics: Arc<Metrics>,
+) {
+    let mut last: Option<bool> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let serving = state.serving(grace);
+        if last == Some(serving) {
+            continue;
+        }
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        tracing::info!(
+            serving,
+            connected_ranks = state.connected_ranks(),
+            "health status changed"
+        );
+        reporter.set_service_status("", status).await;
+        for s in &services {
+            reporter.set_service_status(*s, status).await;
+        }
+        metrics.health_serving.set(serving as i64);
+        last = Some(serving);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serving_follows_connections_and_grace() {
+        let s = UpstreamState::new(2);
+        assert!(s.serving(Duration::from_secs(60)), "start-up grace");
+        assert!(!s.serving(Duration::ZERO), "no grace, nothing connected");
+        assert_eq!(s.on_connect(1), 1);
+        assert!(s.serving(Duration::ZERO));
+        assert_eq!(s.on_disconnect(1), 0);
+        assert!(s.serving(Duration::from_secs(60)), "grace after disconnect");
+        assert!(!s.serving(Duration::ZERO));
+        // A stray disconnect never makes the count negative.
+        assert_eq!(s.on_disconnect(0), 0);
+        assert_eq!(s.on_connect(0), 1);
+        assert_eq!(s.connected_ranks(), 1);
+        assert_eq!(s.on_connect(7), 0, "unknown rank ignored");
+    }
+}

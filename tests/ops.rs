@@ -1,0 +1,842 @@
+//! Operations: metrics, health, reflection, TLS + bearer token, limits, oversized batches, a
+//! hardened ZMQ edge and the ring file's mode. The real binary, simulated engines over real ZMQ,
+//! tonic clients.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use common::*;
+use kvbridge::proto::common::{kv_cache_event::Data, SubscribeKvEventsRequest};
+use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
+use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent};
+use tonic::transport::Channel;
+
+const T: Duration = Duration::from_secs(30);
+const L: Layout = Layout::Vllm0102;
+
+fn s(v: &str) -> String {
+    v.to_string()
+}
+
+fn engine_args(e: &Engine) -> Vec<String> {
+    vec![
+        s("--zmq"),
+        e.endpoint.clone(),
+        s("--replay"),
+        e.replay.clone(),
+        s("--seq-base"),
+        s("1"),
+    ]
+}
+
+fn settle() {
+    std::thread::sleep(Duration::from_millis(400));
+}
+
+fn req(start: u64) -> SubscribeKvEventsRequest {
+    SubscribeKvEventsRequest {
+        start_sequence_number: start,
+        load_records_before_first_batch: false,
+    }
+}
+
+async fn channel(url: &str) -> Channel {
+    tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Publishes `n` chained stores of `blocks` blocks each; returns their hashes in order.
+fn publish_stores(e: &Engine, seed: u64, n: usize, blocks: usize) -> Vec<u64> {
+    let mut parent = None;
+    let mut all = Vec::new();
+    for i in 0..n as u64 {
+        let ev = store(seed + i, blocks, parent);
+        if let SimEvent::Stored { hashes, .. } = &ev {
+            parent = hashes.last().copied();
+            all.extend(hashes);
+        }
+        e.publish(L, vec![ev], 0);
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let (bridge, maddr) =
+        Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    settle();
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let page = scrape(maddr);
+    assert_eq!(
+        metric(&page, "kvbridge_upstream_connected", &[("rank", "0")]),
+        1.0
+    );
+    assert_eq!(metric(&page, "kvbridge_health_serving", &[]), 1.0);
+    assert_eq!(metric(&page, "kvbridge_subscribers", &[]), 1.0);
+
+    let want = publish_stores(&e, 100, 10, 3);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    let page = wait_metrics(maddr, T, |p| {
+        metric(
+            p,
+            "kvbridge_decoder_events_total",
+            &[("rank", "0"), ("kind", "stored_events")],
+        ) >= 10.0
+    });
+    assert_eq!(
+        metric(&page, "kvbridge_batches_received_total", &[("rank", "0")]),
+        10.0
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_last_upstream_seq", &[("rank", "0")]),
+        9.0
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_ring_records_total", &[("ring", "merged")]),
+        10.0
+    );
+    assert!(metric(&page, "kvbridge_ring_bytes_total", &[("ring", "merged")]) > 0.0);
+    assert!(metric(&page, "kvbridge_ring_capacity_bytes", &[("ring", "merged")]) > 0.0);
+    assert_eq!(
+        metric(&page, "kvbridge_ring_newest_seq", &[("ring", "merged")]),
+        10.0
+    );
+    assert_eq!(metric(&page, "kvbridge_batches_sent_total", &[]), 10.0);
+    assert!(metric(&page, "kvbridge_bytes_sent_total", &[]) > 0.0);
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_send_latency_seconds_count",
+            &[("path", "vllm")]
+        ),
+        10.0,
+        "every hand-off observed"
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_subscribe_outcomes_total",
+            &[("outcome", "fresh")]
+        ),
+        1.0
+    );
+
+    // Garbage msgpack with a valid seq: a decode error (by kind) and an in-band clear.
+    e.with(|p| p.publish(vec![0xc1, 1, 2, 3]));
+    // Not msgpack at all shape-wise: two frames, short seq.
+    e.with(|p| p.send_raw(&[b"", &[0u8; 8]]).unwrap());
+    e.with(|p| p.send_raw(&[b"", &[0u8; 3], b"x"]).unwrap());
+    // A burned seq: the next batch reveals a gap, replay cannot fill it (history missing).
+    e.with(|p| p.burn_seq());
+    let after = publish_stores(&e, 900, 1, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= after.len()).await;
+    assert_eq!(stored_hashes(&got), after);
+    assert_eq!(clears(&got), 2, "undecodable + missing history");
+    let page = wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_gaps_total", &[("rank", "0")]) >= 1.0
+    });
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_decode_errors_total",
+            &[("rank", "0"), ("kind", "invalid_marker")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_frames_dropped_total",
+            &[("reason", "frame_count")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_frames_dropped_total",
+            &[("reason", "seq_length")]
+        ),
+        1.0
+    );
+    assert!(metric(&page, "kvbridge_replays_total", &[("outcome", "requested")]) >= 1.0);
+    assert!(
+        metric(
+            &page,
+            "kvbridge_replays_total",
+            &[("outcome", "history_missing")]
+        ) >= 1.0
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_synthesized_clears_total",
+            &[("cause", "undecodable")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_batches_received_total", &[("rank", "0")]),
+        12.0
+    );
+    drop(sub);
+    bridge.stop();
+}
+
+async fn health_status(url: &str) -> i32 {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let mut c = HealthClient::new(channel(url).await);
+    c.check(HealthCheckRequest {
+        service: String::new(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .status
+}
+
+async fn wait_health(url: &str, want: tonic_health::ServingStatus) {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let st = health_status(url).await;
+        if st == want as i32 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "health stuck at {st}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_flips_with_the_upstream_and_counts_disconnects() {
+    use tonic_health::ServingStatus::{NotServing, Serving};
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let (ep, rp) = (e.endpoint.clone(), e.replay.clone());
+    let mut args = engine_args(&e);
+    args.extend([s("--health-grace-ms"), s("300")]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    wait_health(&bridge.url(), Serving).await;
+    // The per-service status follows too.
+    {
+        use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+        let mut c = HealthClient::new(channel(&bridge.url()).await);
+        let st = c
+            .check(HealthCheckRequest {
+                service: s("vllm.grpc.engine.VllmEngine"),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(st, Serving as i32);
+    }
+    drop(e);
+    wait_health(&bridge.url(), NotServing).await;
+    let page = scrape(maddr);
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_publisher_disconnects_total",
+            &[("rank", "0")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_upstream_connected", &[("rank", "0")]),
+        0.0
+    );
+    assert_eq!(metric(&page, "kvbridge_health_serving", &[]), 0.0);
+
+    let e = Engine::start_at(&ep, &rp);
+    wait_health(&bridge.url(), Serving).await;
+    // Events flow again after the engine came back (its seq restarted at 0).
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let want = publish_stores(&e, 7, 2, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    let page = scrape(maddr);
+    assert_eq!(
+        metric(&page, "kvbridge_publisher_connects_total", &[("rank", "0")]),
+        2.0
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_upstream_connected", &[("rank", "0")]),
+        1.0
+    );
+    drop(sub);
+    bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_lists_the_four_services_and_health() {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    let mut c = ServerReflectionClient::new(channel(&bridge.url()).await);
+    let list = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let symbol = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::FileContainingSymbol(s(
+            "sglang.grpc.scheduler.SglangScheduler",
+        ))),
+    };
+    let mut resp = c
+        .server_reflection_info(tokio_stream::iter(vec![list, symbol]))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = resp.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(l)) = first.message_response else {
+        panic!("unexpected reflection answer {first:?}");
+    };
+    let names: Vec<String> = l.service.into_iter().map(|s| s.name).collect();
+    for want in [
+        "sglang.grpc.scheduler.SglangScheduler",
+        "vllm.grpc.engine.VllmEngine",
+        "tokenspeed.grpc.scheduler.TokenSpeedScheduler",
+        "trtllm.TrtllmService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+    let second = resp.message().await.unwrap().unwrap();
+    let Some(MessageResponse::FileDescriptorResponse(f)) = second.message_response else {
+        panic!("unexpected reflection answer {second:?}");
+    };
+    assert!(!f.file_descriptor_proto.is_empty());
+    // v1alpha answers too (older grpcurl).
+    {
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient as C;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest as M;
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest as R;
+        let mut c = C::new(channel(&bridge.url()).await);
+        let mut r = c
+            .server_reflection_info(tokio_stream::iter(vec![R {
+                host: String::new(),
+                message_request: Some(M::ListServices(String::new())),
+            }]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.message().await.unwrap().is_some());
+    }
+    bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_bearer_token_accept_and_reject() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let dir = tempfile::tempdir().unwrap();
+    let ck = rcgen::generate_simple_self_signed(vec![s("localhost")]).unwrap();
+    let (cert_pem, key_pem) = (ck.cert.pem(), ck.signing_key.serialize_pem());
+    let (cert, key, tok) = (
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+        dir.path().join("token"),
+    );
+    std::fs::write(&cert, &cert_pem).unwrap();
+    std::fs::write(&key, &key_pem).unwrap();
+    std::fs::write(&tok, "s3cret-token\n").unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    for (f, p) in [
+        ("--tls-cert", &cert),
+        ("--tls-key", &key),
+        ("--auth-token-file", &tok),
+    ] {
+        args.extend([s(f), p.display().to_string()]);
+    }
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    settle();
+    let url = format!("https://localhost:{}", bridge.grpc.port());
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&cert_pem))
+        .domain_name("localhost");
+    let ch = Endpoint::from_shared(url)
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connect");
+    let call = |token: Option<&'static str>| {
+        let ch = ch.clone();
+        async move {
+            let mut r = tonic::Request::new(req(0));
+            if let Some(t) = token {
+                r.metadata_mut().insert("authorization", t.parse().unwrap());
+            }
+            VllmEngineClient::new(ch).subscribe_kv_events(r).await
+        }
+    };
+    let no = call(None).await.unwrap_err();
+    assert_eq!(no.code(), tonic::Code::Unauthenticated, "{no:?}");
+    let wrong = call(Some("Bearer s3cret-tokeX")).await.unwrap_err();
+    assert_eq!(wrong.code(), tonic::Code::Unauthenticated, "{wrong:?}");
+    let basic = call(Some("Basic s3cret-token")).await.unwrap_err();
+    assert_eq!(basic.code(), tonic::Code::Unauthenticated);
+    let mut sub = call(Some("Bearer s3cret-token"))
+        .await
+        .unwrap()
+        .into_inner();
+    let want = publish_stores(&e, 5, 3, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    // Health stays open without a token (documented).
+    {
+        use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+        let st = HealthClient::new(ch.clone())
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(st, tonic_health::ServingStatus::Serving as i32);
+    }
+    // Plaintext against the TLS port fails.
+    let plain = tonic::transport::Endpoint::from_shared(bridge.url())
+        .unwrap()
+        .connect()
+        .await;
+    if let Ok(ch) = plain {
+        let r = VllmEngineClient::new(ch).subscribe_kv_events(req(0)).await;
+        assert!(r.is_err(), "plaintext call succeeded against a TLS server");
+    }
+    assert_eq!(
+        metric(&scrape(maddr), "kvbridge_auth_failures_total", &[]),
+        3.0
+    );
+    drop(sub);
+    bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_1001st_subscriber_over_a_limit_of_1000_is_resource_exhausted() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--max-subscribers"), s("1000")]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    // h2 allows at most 200 concurrent streams per connection by default: use 10 connections.
+    let mut chans = Vec::new();
+    for _ in 0..10 {
+        chans.push(channel(&bridge.url()).await);
+    }
+    let mut streams = Vec::new();
+    for ch in &chans {
+        let calls = (0..100).map(|_| {
+            let ch = ch.clone();
+            async move { VllmEngineClient::new(ch).subscribe_kv_events(req(0)).await }
+        });
+        for r in futures_util::future::join_all(calls).await {
+            streams.push(r.expect("within the limit").into_inner());
+        }
+    }
+    assert_eq!(streams.len(), 1000);
+    let page = wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_subscribers", &[]) == 1000.0
+    });
+    assert_eq!(
+        metric(&page, "kvbridge_subscribers", &[("path", "vllm")]),
+        1000.0
+    );
+    let extra = VllmEngineClient::new(chans[0].clone())
+        .subscribe_kv_events(req(0))
+        .await
+        .unwrap_err();
+    assert_eq!(extra.code(), tonic::Code::ResourceExhausted, "{extra:?}");
+    // One leaves, one more gets in; every stream still receives.
+    drop(streams.pop());
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_subscribers", &[]) == 999.0
+    });
+    let mut last = VllmEngineClient::new(chans[1].clone())
+        .subscribe_kv_events(req(0))
+        .await
+        .expect("a slot was freed")
+        .into_inner();
+    let want = publish_stores(&e, 3, 1, 2);
+    let got = collect_until(&mut last, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    let got = collect_until(&mut streams[0], T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    assert_eq!(
+        metric(
+            &scrape(maddr),
+            "kvbridge_statuses_total",
+            &[("code", "resource_exhausted")]
+        ),
+        1.0
+    );
+    drop(streams);
+    drop(last);
+    bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_engine_batch_arrives_split_under_4mib_and_reassembles() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    settle();
+    // A client with the default 4 MiB decode limit, as G1 gateways have.
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    const BLOCKS: usize = 20_000;
+    const BS: usize = 64;
+    let hashes: Vec<u64> = (0..BLOCKS as u64)
+        .map(|i| 0x5eed_0000_0000 + i * 7 + 1)
+        .collect();
+    // Tokens of 70k..150k encode as msgpack uint32 (5 bytes): the batch is over 6 MB.
+    let tokens: Vec<u32> = (0..BLOCKS * BS)
+        .map(|i| (i % 80_000) as u32 + 70_000)
+        .collect();
+    let parent = Some(0xabcdef);
+    let ev = SimEvent::Stored {
+        hashes: hashes.clone(),
+        parent,
+        tokens: tokens.clone(),
+        block_size: BS as u32,
+        medium: Some("GPU".into()),
+    };
+    let payload = encode_batch(L, 1_700_000_000.0, &[ev], 0);
+    assert!(payload.len() > 4 << 20, "input is {} bytes", payload.len());
+    e.with(move |p| p.publish(payload));
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= BLOCKS).await;
+    assert!(
+        got.len() >= 3,
+        "expected several records, got {}",
+        got.len()
+    );
+    assert_contiguous(&got);
+    let mut blocks = Vec::new();
+    let mut expect_parent = parent.map(|p| p as i64);
+    for b in &got {
+        assert!(prost::Message::encoded_len(b) < 4 << 20);
+        for ev in &b.events {
+            let Some(Data::Stored(st)) = &ev.data else {
+                panic!("unexpected event {ev:?}")
+            };
+            assert_eq!(st.parent_block_hash, expect_parent, "parent chain broken");
+            expect_parent = st.blocks.last().map(|b| b.block_hash);
+            blocks.extend(st.blocks.iter().cloned());
+        }
+    }
+    assert_eq!(blocks.len(), BLOCKS);
+    for (i, b) in blocks.iter().enumerate() {
+        assert_eq!(b.block_hash as u64, hashes[i]);
+        assert_eq!(
+            b.token_ids,
+            tokens[i * BS..(i + 1) * BS],
+            "tokens of block {i}"
+        );
+    }
+    drop(sub);
+    bridge.stop();
+}
+
+/// Messages dropped for their shape (wrong frame count, seq frame not 8 bytes).
+fn shape_drops(page: &str) -> f64 {
+    metric(
+        page,
+        "kvbridge_frames_dropped_total",
+        &[("rank", "0"), ("reason", "frame_count")],
+    ) + metric(
+        page,
+        "kvbridge_frames_dropped_total",
+        &[("rank", "0"), ("reason", "seq_length")],
+    )
+}
+
+/// A valid-shape message with a valid seq whose payload can never decode.
+fn bad_payload(rng: &mut Rng) -> Vec<u8> {
+    match rng.range(0, 4) {
+        0 => Vec::new(),
+        1 => {
+            let mut v = vec![0xc1];
+            v.extend((0..rng.range(0, 40)).map(|_| rng.next_u64() as u8));
+            v
+        }
+        2 => b"\xa5hello".to_vec(),
+        _ => {
+            let full = encode_batch(L, 1.5, &[store(rng.next_u64() % 1000, 3, None)], 0);
+            full[..full.len() / 2].to_vec()
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_zmq_frames_are_counted_and_a_valid_stream_survives() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let (bridge, maddr) =
+        Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    settle();
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    const TOTAL: usize = 100_000;
+    const CHUNK: usize = 5_000;
+    let (mut invalid, mut garbage, mut valid) = (0usize, 0usize, 0usize);
+    let mut want = Vec::new();
+    let mut parent: Option<u64> = None;
+    let mut sent = 0;
+    let mut rng = Rng::new(42);
+    while sent < TOTAL {
+        // One chunk, decided here and sent on the engine thread.
+        let mut plan: Vec<(u8, Vec<Vec<u8>>)> = Vec::with_capacity(CHUNK);
+        for _ in 0..CHUNK {
+            let roll = rng.range(0, 1000);
+            if roll < 10 {
+                let ev = store(
+                    rng.next_u64() % 1_000_000,
+                    1 + rng.range(0, 3) as usize,
+                    parent,
+                );
+                if let SimEvent::Stored { hashes, .. } = &ev {
+                    parent = hashes.last().copied();
+                    want.extend(hashes.iter().copied());
+                }
+                plan.push((1, vec![encode_batch(L, 2.5, &[ev], 0)]));
+                valid += 1;
+            } else if roll < 60 {
+                plan.push((1, vec![bad_payload(&mut rng)]));
+                garbage += 1;
+            } else {
+                // Invalid shapes never consume a seq: 1, 2, 4 or 5 frames, or a seq frame that
+                // is not 8 bytes.
+                let junk = |rng: &mut Rng| -> Vec<u8> {
+                    (0..rng.range(0, 24))
+                        .map(|_| rng.next_u64() as u8)
+                        .collect()
+                };
+                let frames = match rng.range(0, 5) {
+                    0 => vec![junk(&mut rng)],
+                    1 => vec![junk(&mut rng), junk(&mut rng)],
+                    2 => (0..4).map(|_| junk(&mut rng)).collect(),
+                    3 => (0..5).map(|_| junk(&mut rng)).collect(),
+                    _ => {
+                        let mut seq = junk(&mut rng);
+                        if seq.len() == 8 {
+                            seq.push(0);
+                        }
+                        vec![b"".to_vec(), seq, junk(&mut rng)]
+                    }
+                };
+                plan.push((0, frames));
+                invalid += 1;
+            }
+        }
+        sent += plan.len();
+        e.with(move |p| {
+            for (kind, frames) in plan {
+                if kind == 1 {
+                    p.publish(frames.into_iter().next().unwrap());
+                } else {
+                    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+                    p.send_raw(&refs).unwrap();
+                }
+            }
+        });
+        // Pace: let the bridge take in this chunk before the next (a full pipe would make the
+        // PUB drop, which is the engine's behaviour, not the bridge's).
+        let (i, g) = (invalid as f64, (garbage + valid) as f64);
+        wait_metrics(maddr, T, |p| {
+            shape_drops(p) >= i
+                && metric(p, "kvbridge_batches_received_total", &[("rank", "0")]) >= g
+        });
+    }
+    let got = collect_until(&mut sub, T, |b| {
+        stored_hashes(b).len() >= want.len() && clears(b) >= garbage
+    })
+    .await;
+    assert_contiguous(&got);
+    assert_eq!(
+        stored_hashes(&got),
+        want,
+        "the valid stream, complete and in order"
+    );
+    assert_eq!(
+        clears(&got),
+        garbage,
+        "one in-band clear per undecodable batch"
+    );
+    let page = scrape(maddr);
+    assert_eq!(shape_drops(&page), invalid as f64);
+    assert_eq!(
+        metric(&page, "kvbridge_batches_received_total", &[("rank", "0")]),
+        (garbage + valid) as f64
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_synthesized_clears_total",
+            &[("cause", "undecodable")]
+        ),
+        garbage as f64
+    );
+    assert_eq!(metric(&page, "kvbridge_upstream_gaps_total", &[]), 0.0);
+    assert!(metric(&page, "kvbridge_decode_errors_total", &[]) > 0.0);
+    assert!(
+        valid > 500 && garbage > 4000 && invalid > 90_000,
+        "{valid} {garbage} {invalid}"
+    );
+    // Still up and serving.
+    let more = publish_stores(&e, 77, 1, 1);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= more.len()).await;
+    assert_eq!(stored_hashes(&got), more);
+    drop(sub);
+    let st = bridge.stop();
+    assert!(st.success(), "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frequent_client_keepalive_pings_are_tolerated() {
+    // SMG pings every 30 s even when idle; a far more eager client must not be sent a GOAWAY
+    // (no ping policy is enforced).
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    settle();
+    let ch = tonic::transport::Endpoint::from_shared(bridge.url())
+        .unwrap()
+        .http2_keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true)
+        .connect()
+        .await
+        .unwrap();
+    let mut sub = VllmEngineClient::new(ch.clone())
+        .subscribe_kv_events(req(0))
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let want = publish_stores(&e, 11, 2, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    // The same connection still takes new calls.
+    VllmEngineClient::new(ch)
+        .subscribe_kv_events(req(0))
+        .await
+        .unwrap();
+    drop(sub);
+    bridge.stop();
+}
+
+#[test]
+fn ring_file_is_0600_by_default_and_0640_with_shm_group_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    for (extra, mode) in [(None, 0o600), (Some("--shm-group-read"), 0o640)] {
+        let shm = dir.path().join(format!("ring-{mode:o}"));
+        let mut args = engine_args(&e);
+        args.extend(extra.map(s));
+        let bridge = Bridge::start(dir.path(), &shm, &args);
+        let m = std::fs::metadata(&shm).unwrap().permissions().mode() & 0o777;
+        assert_eq!(m, mode, "ring file mode {m:o}");
+        bridge.stop();
+    }
+}
+
+#[test]
+fn new_flags_are_validated_with_one_line_and_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = dir.path().join("c.pem");
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "\n").unwrap();
+    let toml = dir.path().join("k.toml");
+    std::fs::write(
+        &toml,
+        "zmq = [\"tcp://*:5557\"]\nmax-streams-per-connection = 0\n",
+    )
+    .unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![s("--tls-cert"), cert.display().to_string()],
+            "--tls-cert needs --tls-key",
+        ),
+        (
+            vec![s("--tls-key"), cert.display().to_string()],
+            "--tls-key needs --tls-cert",
+        ),
+        (
+            vec![
+                s("--tls-cert"),
+                cert.display().to_string(),
+                s("--tls-key"),
+                cert.display().to_string(),
+            ],
+            "--tls-key",
+        ),
+        (
+            vec![s("--auth-token-file"), empty.display().to_string()],
+            "empty",
+        ),
+        (
+            vec![s("--auth-token-file"), s("/nonexistent/token")],
+            "--auth-token-file",
+        ),
+        (
+            vec![s("--max-streams-per-connection"), s("0")],
+            "--max-streams-per-connection",
+        ),
+        (
+            vec![s("--health-grace-ms"), s("999999999999")],
+            "--health-grace-ms",
+        ),
+    ];
+    for (extra, needle) in cases {
+        let out = std::process::Command::new(bin())
+            .args(["serve", "--zmq", "tcp://*:5557"])
+            .args(&extra)
+            .env_remove("KVBRIDGE_AUTH_TOKEN")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{extra:?}: {err}");
+    }
+    let out = std::process::Command::new(bin())
+        .args(["serve", "--config", &toml.display().to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--max-streams-per-connection"));
+    let out = std::process::Command::new(bin())
+        .args(["serve", "--zmq", "tcp://*:5557"])
+        .env("KVBRIDGE_AUTH_TOKEN", "has space")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KVBRIDGE_AUTH_TOKEN"));
+}
