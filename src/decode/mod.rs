@@ -114,7 +114,8 @@
 //!
 //! `fuzz/gen_malformed_corpus.py` regenerates the corpus (truncated engine vectors, huge
 //! headers, deep nesting, bad UTF-8, wrong types).
-//! //! `tests/decode_fuzz_corpus.rs` runs the same entry point on stable over the corpus, the
+//!
+//! `tests/decode_fuzz_corpus.rs` runs the same entry point on stable over the corpus, the
 //! vectors and deterministic mutations of both (`DECODE_MUTATIONS=20000000 cargo test --release
 //! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
