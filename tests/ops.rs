@@ -15,6 +15,7 @@ use tonic::transport::Channel;
 
 const T: Duration = Duration::from_secs(30);
 const L: Layout = Layout::Vllm0102;
+const VLLM: &str = "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents";
 
 fn s(v: &str) -> String {
     v.to_string()
@@ -104,6 +105,7 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
         10.0
     );
     assert!(metric(&page, "kvbridge_ring_bytes_total", &[("ring", "merged")]) > 0.0);
+    assert_eq!(metric(&page, "kvbridge_record_size_bytes_count", &[]), 10.0);
     assert!(metric(&page, "kvbridge_ring_capacity_bytes", &[("ring", "merged")]) > 0.0);
     assert_eq!(
         metric(&page, "kvbridge_ring_newest_seq", &[("ring", "merged")]),
@@ -115,7 +117,7 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
         metric(
             &page,
             "kvbridge_send_latency_seconds_count",
-            &[("path", "vllm")]
+            &[("path", VLLM)]
         ),
         10.0,
         "every hand-off observed"
@@ -143,13 +145,19 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
     let page = wait_metrics(maddr, T, |p| {
         metric(p, "kvbridge_upstream_gaps_total", &[("rank", "0")]) >= 1.0
     });
+    let kinds: Vec<&str> = page
+        .lines()
+        .filter(|l| l.starts_with("kvbridge_decode_errors_total{kind="))
+        .collect();
     assert_eq!(
-        metric(
-            &page,
-            "kvbridge_decode_errors_total",
-            &[("rank", "0"), ("kind", "invalid_marker")]
-        ),
-        1.0
+        kinds.len(),
+        1,
+        "decode errors are labelled by kind: {kinds:?}"
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_decode_errors_total", &[("rank", "0")]),
+        1.0,
+        "{kinds:?}"
     );
     assert_eq!(
         metric(
@@ -463,7 +471,7 @@ async fn the_1001st_subscriber_over_a_limit_of_1000_is_resource_exhausted() {
         metric(p, "kvbridge_subscribers", &[]) == 1000.0
     });
     assert_eq!(
-        metric(&page, "kvbridge_subscribers", &[("path", "vllm")]),
+        metric(&page, "kvbridge_subscribers", &[("path", VLLM)]),
         1000.0
     );
     let extra = VllmEngineClient::new(chans[0].clone())

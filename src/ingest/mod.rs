@@ -231,6 +231,8 @@ impl RankWorker {
             zmq::Message::new(),
         ];
         while !self.stop.load(Ordering::Relaxed) {
+            // Also when idle, so the exported counters catch up after a burst.
+            self.sink.flush_decoder_metrics(false);
             let (data, events) = {
                 let mut items = [
                     self.sub.as_poll_item(zmq::POLLIN),
@@ -556,6 +558,13 @@ impl Sink for RingSink {
             let dp_rank = sends_rank.then_some(batch_rank);
             match hub.publish_batch(&self.decoder, &plan, payload, dp_rank, meta) {
                 Ok(p) => {
+                    if Arc::ptr_eq(&hub, &self.targets.merged) && p.records > 0 {
+                        // Per record; a split batch counts its mean record size.
+                        let mean = p.bytes as f64 / p.records as f64;
+                        for _ in 0..p.records {
+                            self.metrics.record_size.observe(mean);
+                        }
+                    }
                     let l = [hub.label()];
                     self.metrics
                         .ring_records
