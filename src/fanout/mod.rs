@@ -293,6 +293,12 @@ impl Subscription {
                     "kvbridge is shutting down; resubscribe with the same cursor",
                 ));
             }
+            // Overwritten in the ring: whatever a cache still holds, the subscriber fell behind
+            // the retained window, and resuming past the hole would be a silent skip.
+            let oldest = self.hub.oldest();
+            if self.next < oldest {
+                return Err(self.lapped(oldest));
+            }
             if let Some(b) = self.hub.cached(self.next) {
                 self.next += 1;
                 return Ok(EncodedBatch(b));
