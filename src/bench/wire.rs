@@ -117,7 +117,7 @@ pub async fn subscriber(
         }
     };
     let mut last: Option<u64> = None;
-    loop {
+    while !stop.load(Ordering::Relaxed) {
         tokio::select! {
             m = stream.message() => match m {
                 Ok(Some(b)) => {
