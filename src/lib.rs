@@ -22,5 +22,6 @@ pub mod fanout;
 pub mod ingest;
 pub mod metrics;
 pub mod proto;
+pub mod bench;
 pub mod ring;
 pub mod sim;

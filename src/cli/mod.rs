@@ -4,6 +4,7 @@
 //! flag, an unusable configuration, an unreachable or occupied endpoint — always one line on
 //! stderr naming the problem, never a backtrace.
 
+mod bench;
 mod demo;
 mod json;
 mod serve;
@@ -33,6 +34,11 @@ enum Command {
     Tail(tail::TailArgs),
     /// Run the whole path on a built-in engine and show live stats (no engine needed).
     Demo(demo::DemoArgs),
+    /// Measure latency, loss, CPU and memory under an open-loop load.
+    Bench(bench::BenchArgs),
+    /// One shared-memory reader process of `bench` (internal).
+    #[command(hide = true)]
+    BenchReader(bench::BenchReaderArgs),
 }
 
 /// A failure that ends the command, with its exit code.
@@ -63,6 +69,8 @@ pub fn main() -> i32 {
         Command::Subscribe(a) => subscribe::run(a),
         Command::Tail(a) => tail::run(a),
         Command::Demo(a) => demo::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::BenchReader(a) => bench::run_reader(a),
     };
     match result {
         Ok(()) => 0,

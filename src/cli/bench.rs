@@ -1,0 +1,169 @@
+//! `kvbridge bench` and its helper `kvbridge bench-reader`.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::CliError;
+use crate::bench::{self, BenchConfig, Mix, Publisher};
+
+/// `kvbridge bench` flags.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Engine batches per second (open loop, scheduled by the clock).
+    #[arg(long, default_value_t = 1000)]
+    rate: u64,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    /// Warm-up seconds before measuring.
+    #[arg(long, default_value_t = 2)]
+    warmup: u64,
+    /// gRPC subscribers.
+    #[arg(long, default_value_t = 1)]
+    subscribers: usize,
+    /// HTTP/2 connections the subscribers share (default: one per 100 subscribers, at least 1).
+    #[arg(long)]
+    connections: Option<usize>,
+    /// Shared-memory reader processes.
+    #[arg(long = "shm-readers", default_value_t = 1)]
+    shm_readers: usize,
+    /// Shared-memory readers busy-poll instead of waiting on the futex.
+    #[arg(long = "shm-spin")]
+    shm_spin: bool,
+    /// Batch mix.
+    #[arg(long, value_enum, default_value = "serving")]
+    mix: Mix,
+    /// Write the result as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Target an already-running bridge at this gRPC address instead of starting one.
+    #[arg(long, value_name = "ADDR", requires = "engine_bind")]
+    grpc: Option<String>,
+    /// The running bridge's ring file (for the shm readers).
+    #[arg(long, value_name = "PATH")]
+    shm: Option<PathBuf>,
+    /// With --grpc: where the bench's engine PUB binds (the running bridge must `--zmq` connect to it).
+    #[arg(long = "engine-bind", value_name = "ENDPOINT")]
+    engine_bind: Option<String>,
+    /// With --grpc: PID of the running bridge, for CPU and RSS.
+    #[arg(long = "serve-pid")]
+    serve_pid: Option<u32>,
+    /// Ring size of the bridge the bench starts.
+    #[arg(long = "ring-size", default_value = "64MiB")]
+    ring_size: String,
+}
+
+/// `kvbridge bench-reader` (internal: one shared-memory reader process of the bench).
+#[derive(clap::Args, Debug)]
+pub struct BenchReaderArgs {
+    #[arg(long)]
+    shm: PathBuf,
+    #[arg(long = "run-ms")]
+    run_ms: u64,
+    #[arg(long = "warmup-ms", default_value_t = 0)]
+    warmup_ms: u64,
+    #[arg(long)]
+    spin: bool,
+}
+
+pub(super) fn run_reader(a: BenchReaderArgs) -> Result<(), CliError> {
+    bench::reader::run_reader(&a.shm, Duration::from_millis(a.run_ms), Duration::from_millis(a.warmup_ms), a.spin)
+        .map_err(CliError::Failed)
+}
+
+/// A bridge the bench started (`kvbridge serve` as a child process).
+struct OwnBridge {
+    child: Child,
+    shm: PathBuf,
+}
+
+impl Drop for OwnBridge {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid; at worst the pid is already reaped and the call fails.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.shm);
+    }
+}
+
+pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
+    if a.rate == 0 || a.duration == 0 {
+        return Err(CliError::Setup("--rate and --duration must be > 0".into()));
+    }
+    let rt = super::runtime()?;
+    let ctx = zmq::Context::new();
+    let (grpc, shm, pid, engine, _own) = match &a.grpc {
+        Some(g) => {
+            let ep = a.engine_bind.clone().expect("clap requires --engine-bind with --grpc");
+            let (p, _, _) = Publisher::bind(&ctx, &ep, "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
+            if a.shm_readers > 0 && a.shm.is_none() {
+                return Err(CliError::Setup("--shm-readers needs --shm PATH of the running bridge".into()));
+            }
+            (g.clone(), a.shm.clone().unwrap_or_default(), a.serve_pid, p, None)
+        }
+        None => {
+            let (p, ep, rep) = Publisher::bind(&ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
+            let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| CliError::Setup(e.to_string()))?.port();
+            let grpc = format!("127.0.0.1:{port}");
+            let dir = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+            let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
+            let _ = std::fs::remove_file(&shm);
+            let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
+            let child = Command::new(exe)
+                .args(["serve", "--zmq", &ep, "--replay", &rep, "--grpc", &grpc, "--metrics", "off", "--seq-base", "1"])
+                .arg("--shm")
+                .arg(&shm)
+                .args(["--ring-size", &a.ring_size])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .map_err(|e| CliError::Setup(format!("cannot start kvbridge serve: {e}")))?;
+            let pid = child.id();
+            let own = OwnBridge { child, shm: shm.clone() };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::net::TcpStream::connect(&grpc).is_err() {
+                if Instant::now() > deadline {
+                    return Err(CliError::Failed("the bridge did not start within 20 s".into()));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (grpc, shm, Some(pid), p, Some(own))
+        }
+    };
+    // Give the bridge's SUB time to connect before the clock starts.
+    std::thread::sleep(Duration::from_millis(300));
+    let cfg = BenchConfig {
+        rate: a.rate,
+        duration: Duration::from_secs(a.duration),
+        warmup: Duration::from_secs(a.warmup),
+        subscribers: a.subscribers,
+        connections: a.connections.unwrap_or(a.subscribers.div_ceil(100).max(1)),
+        shm_readers: a.shm_readers,
+        shm_spin: a.shm_spin,
+        mix: a.mix,
+        grpc,
+        shm,
+        serve_pid: pid,
+    };
+    let measure_from = Instant::now() + cfg.warmup;
+    let publisher = Publisher::start(engine, cfg.rate, cfg.mix, measure_from);
+    let progress = a.duration > 3 && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let result = rt.block_on(bench::measure(&cfg, &publisher, progress));
+    publisher.stop();
+    let result = result.map_err(CliError::Failed)?;
+    print!("{}", bench::table(&result));
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&result).expect("serializable");
+        std::fs::write(path, text).map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
+    }
+    Ok(())
+}
