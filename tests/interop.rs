@@ -271,6 +271,141 @@ fn interesting_batches() -> Vec<(Layout, Vec<SimEvent>)> {
     out
 }
 
+// Rich events: the sim's layouts leave most superset fields nil, so one batch is written by hand
+// in the map form of vLLM >= 0.30 / SGLang >= 0.5.22 (engine-wire.md §4, §5) with every optional
+// field the engines can send, several of them explicitly zero (presence must survive: absent and
+// 0 differ for G2).
+const RICH_STORE: [u64; 2] = [0xF00D_0000_0000_0001, 0x7EED_0000_0000_0002];
+const RICH_PARENT: u64 = 0x8000_0000_0000_0000; // i64::MIN: the longest varint
+
+fn mp_str(o: &mut Vec<u8>, s: &str) {
+    rmp::encode::write_str(o, s).unwrap();
+}
+
+fn rich_payload() -> Vec<u8> {
+    use rmp::encode as enc;
+    let o = &mut Vec::new();
+    enc::write_array_len(o, 3).unwrap();
+    enc::write_f64(o, 1_700_000_123.25).unwrap();
+    enc::write_array_len(o, 2).unwrap();
+
+    enc::write_map_len(o, 16).unwrap();
+    mp_str(o, "type");
+    mp_str(o, "BlockStored");
+    mp_str(o, "block_hashes");
+    enc::write_array_len(o, 2).unwrap();
+    for h in RICH_STORE {
+        enc::write_uint(o, h).unwrap();
+    }
+    mp_str(o, "parent_block_hash");
+    enc::write_uint(o, RICH_PARENT).unwrap();
+    mp_str(o, "token_ids");
+    enc::write_array_len(o, 8).unwrap();
+    for t in [0u64, 1, 127, 128, 65_535, 65_536, 151_000, u32::MAX as u64] {
+        enc::write_uint(o, t).unwrap();
+    }
+    mp_str(o, "block_size");
+    enc::write_uint(o, 4).unwrap();
+    mp_str(o, "lora_id");
+    enc::write_uint(o, 0).unwrap(); // present and zero
+    mp_str(o, "medium");
+    mp_str(o, "CPU_PINNED"); // HOST tier, cache_level 1
+    mp_str(o, "lora_name");
+    mp_str(o, "adapter-a");
+    mp_str(o, "extra_keys");
+    enc::write_array_len(o, 2).unwrap();
+    // Block 0: text, blob, number, (identifier, offset); block 1: nil (no keys).
+    enc::write_array_len(o, 4).unwrap();
+    mp_str(o, "adapter-a");
+    enc::write_bin(o, &[0x00, 0xFF, 0x10]).unwrap();
+    enc::write_sint(o, -42).unwrap();
+    enc::write_array_len(o, 2).unwrap();
+    mp_str(o, "img-1");
+    enc::write_uint(o, 3).unwrap();
+    enc::write_nil(o).unwrap();
+    mp_str(o, "group_idx");
+    enc::write_uint(o, 0).unwrap();
+    mp_str(o, "kv_cache_spec_kind");
+    mp_str(o, "full_attention");
+    mp_str(o, "kv_cache_spec_sliding_window");
+    enc::write_uint(o, 0).unwrap();
+    mp_str(o, "locality");
+    mp_str(o, "LOCAL");
+    mp_str(o, "ownership");
+    mp_str(o, "engine");
+    mp_str(o, "session_id");
+    mp_str(o, ""); // present and empty
+    mp_str(o, "cache_salt");
+    mp_str(o, "salt-1");
+
+    enc::write_map_len(o, 6).unwrap();
+    mp_str(o, "type");
+    mp_str(o, "BlockRemoved");
+    mp_str(o, "block_hashes");
+    enc::write_array_len(o, 2).unwrap();
+    enc::write_uint(o, RICH_STORE[1]).unwrap();
+    enc::write_uint(o, u64::MAX).unwrap(); // -1 as int64
+    mp_str(o, "medium");
+    mp_str(o, "CPU_PINNED");
+    mp_str(o, "group_idx");
+    enc::write_uint(o, 0).unwrap();
+    mp_str(o, "locality");
+    mp_str(o, "LOCAL");
+    mp_str(o, "ownership");
+    mp_str(o, "engine");
+
+    enc::write_uint(o, 0).unwrap(); // rank
+    std::mem::take(o)
+}
+
+/// The rich batch must carry every field it was given, or the Python comparison would only see
+/// absent fields decode as absent.
+fn assert_rich(b: &KvEventBatch) {
+    assert_eq!(b.timestamp, 1_700_000_123.25);
+    assert_eq!(b.events.len(), 2, "rich batch: {b:?}");
+    let Some(Data::Stored(s)) = &b.events[0].data else {
+        panic!("rich store: {b:?}")
+    };
+    let hs: Vec<u64> = s.blocks.iter().map(|k| k.block_hash as u64).collect();
+    assert_eq!(hs, RICH_STORE);
+    assert_eq!(s.parent_block_hash, Some(RICH_PARENT as i64));
+    assert_eq!(s.blocks[0].token_ids, [0, 1, 127, 128]);
+    assert_eq!(s.blocks[1].token_ids, [65_535, 65_536, 151_000, u32::MAX]);
+    assert!(s
+        .blocks
+        .iter()
+        .all(|k| k.block_size == 4 && k.lora_id == Some(0) && k.cache_level == Some(1)));
+    assert_eq!(
+        s.blocks[0].extra_keys.len(),
+        4,
+        "{:?}",
+        s.blocks[0].extra_keys
+    );
+    assert!(s.blocks[1].extra_keys.is_empty());
+    assert_eq!(s.tier, Some(2));
+    assert_eq!(s.medium.as_deref(), Some("CPU_PINNED"));
+    assert_eq!(s.group_idx, Some(0));
+    assert_eq!(s.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+    assert_eq!(s.kv_cache_spec_sliding_window, Some(0));
+    assert_eq!(s.locality, Some(1));
+    assert_eq!(s.ownership.as_deref(), Some("engine"));
+    assert_eq!(s.session_id.as_deref(), Some(""));
+    assert_eq!(s.lora_name.as_deref(), Some("adapter-a"));
+    assert_eq!(s.cache_salt.as_deref(), Some("salt-1"));
+    let Some(Data::Removed(r)) = &b.events[1].data else {
+        panic!("rich removal: {b:?}")
+    };
+    assert_eq!(r.block_hashes, [RICH_STORE[1] as i64, -1]);
+    assert_eq!(
+        (r.cache_level, r.tier, r.group_idx, r.locality),
+        (Some(1), Some(2), Some(0), Some(1))
+    );
+    assert_eq!(
+        (r.medium.as_deref(), r.ownership.as_deref()),
+        (Some("CPU_PINNED"), Some("engine"))
+    );
+}
+
 /// Sanity check on the Rust side, so the Python comparison is not garbage against garbage: the
 /// decoded batch carries exactly the engine's events.
 fn assert_batch_matches(b: &KvEventBatch, layout: Layout, events: &[SimEvent]) {
@@ -323,6 +458,27 @@ fn assert_batch_matches(b: &KvEventBatch, layout: Layout, events: &[SimEvent]) {
     }
 }
 
+const DP_RANK_HEADER: &str = "kvbridge-dp-rank";
+
+/// A tonic subscriber (S = 0) on rank `rank`'s own ring, selected by request metadata.
+async fn subscribe_rank(url: &str, rank: u32) -> tonic::Streaming<KvEventBatch> {
+    use kvbridge::proto::common::SubscribeKvEventsRequest;
+    use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
+    let mut c = VllmEngineClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    let mut req = tonic::Request::new(SubscribeKvEventsRequest {
+        start_sequence_number: 0,
+        load_records_before_first_batch: true,
+    });
+    req.metadata_mut()
+        .insert(DP_RANK_HEADER, rank.to_string().parse().unwrap());
+    c.subscribe_kv_events(req)
+        .await
+        .expect("subscribe with the rank header")
+        .into_inner()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
     // The venv first: without Python there is nothing to compare against (fail, don't skip).
@@ -340,6 +496,10 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
         // The smallest ring, so that the filler below wraps it and an old cursor is out of range.
         "--ring-size",
         "1MiB",
+        // Also a per-rank ring selected by request metadata (smg-api.md §7 (b)): its batches
+        // carry `dp_rank`, the one KvEventBatch field the merged stream leaves unset.
+        "--dp-mode",
+        "metadata",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -362,12 +522,25 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
         parent = Some(last_hash(&ev));
         e.publish(layout(i as usize), vec![ev], 0);
     }
+    // The hand-written rich batch, then the sim's batches in every layout.
+    e.with(|p| p.publish(rich_payload()));
     let batches = interesting_batches();
     let sentinel = last_hash(&batches.last().unwrap().1[0]);
     for (layout, events) in &batches {
         e.publish(*layout, events.clone(), 0);
     }
-    let published = filler + batches.len() as u64;
+    let published = filler + 1 + batches.len() as u64;
+
+    // Wait until ingest has written the sentinel to both rings. Only then is the window
+    // stable: a subscriber that starts while ingest still writes sees an O that the rest of the
+    // burst then overwrites, and the Python side, subscribing later, would start higher.
+    for rank in [None, Some(0)] {
+        let mut s = match rank {
+            None => subscribe(&bridge.url(), 0).await.expect("subscribe S=0"),
+            Some(r) => subscribe_rank(&bridge.url(), r).await,
+        };
+        collect_until(&mut s, T, |b| stored_hashes(b).contains(&sentinel)).await;
+    }
 
     // The retained window, as tonic decodes it (vLLM path, S = 0 → from O).
     let mut s = subscribe(&bridge.url(), 0).await.expect("subscribe S=0");
@@ -387,14 +560,35 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
         "the 1 MiB ring must have wrapped (oldest {oldest}) for the too-old case"
     );
     let tail = &window[window.len() - batches.len()..];
+    assert_rich(&window[window.len() - batches.len() - 1]);
     for (b, (layout, events)) in tail.iter().zip(&batches) {
         assert_batch_matches(b, *layout, events);
     }
+
+    // Rank 0's own ring, as tonic decodes it with the selection header.
+    let mut s = subscribe_rank(&bridge.url(), 0).await;
+    let rank_window = collect_until(&mut s, T, |b| stored_hashes(b).contains(&sentinel)).await;
+    drop(s);
+    assert_contiguous(&rank_window);
+    assert!(
+        rank_window.iter().all(|b| b.dp_rank == Some(0)),
+        "per-rank stream sets dp_rank"
+    );
+    assert_eq!(
+        stored_hashes(&rank_window[rank_window.len() - batches.len()..]),
+        stored_hashes(tail)
+    );
 
     let expect = json!({
         "oldest": oldest,
         "newest": newest,
         "batches": window.iter().map(batch_json).collect::<Vec<_>>(),
+        "rank_stream": {
+            "metadata": [[DP_RANK_HEADER, "0"]],
+            "oldest": rank_window[0].sequence_number,
+            "newest": rank_window.last().unwrap().sequence_number,
+            "batches": rank_window.iter().map(batch_json).collect::<Vec<_>>(),
+        },
         "resume": {
             "in_window": [oldest - 1, oldest, (oldest + newest) / 2, newest - 1],
             "at_head": [newest],

@@ -451,11 +451,11 @@ def find_methods(channel, common):
     return out
 
 
-def subscribe_until(method, common, start, until_seq, timeout, load_records):
+def subscribe_until(method, common, start, until_seq, timeout, load_records, metadata=None):
     """Reads from `start` until a batch numbered >= until_seq (then cancels). Returns (batches,
     error) where error is the grpc.RpcError that ended the stream early, if any."""
     req = common.SubscribeKvEventsRequest(start_sequence_number=start, load_records_before_first_batch=load_records)
-    call = method(req, timeout=timeout)
+    call = method(req, timeout=timeout, metadata=metadata)
     got = []
     try:
         for b in call:
@@ -471,6 +471,49 @@ def subscribe_until(method, common, start, until_seq, timeout, load_records):
     return got, None
 
 
+class Window:
+    """One stream's expectation: the batches tonic decoded, [oldest, newest], and their bytes."""
+
+    def __init__(self, section, rep, label):
+        self.want = section["batches"]
+        self.bytes = [bytes.fromhex(b.pop("bytes_hex")) for b in self.want]
+        self.by_seq = {b["sequence_number"]: i for i, b in enumerate(self.want)}
+        self.oldest, self.newest = section["oldest"], section["newest"]
+        rep.check(
+            [b["sequence_number"] for b in self.want] == list(range(self.oldest, self.newest + 1)),
+            f"{label} expectation is the contiguous window [oldest, newest]",
+        )
+
+
+def check_stream(rep, win, label, got, err, first):
+    """The batches of one subscription against the expectation from `first` to newest. Returns
+    the package's re-encoding of each batch."""
+    rep.check(err is None, f"{label}: stream", f"ended with {err.code() if err else ''} {err.details() if err else ''}")
+    seqs = [b.sequence_number for b in got]
+    rep.check(
+        seqs == list(range(first, win.newest + 1)),
+        f"{label}: sequence numbers",
+        f"expected {first}..{win.newest}, got {seqs[:5]}…{seqs[-3:]} ({len(seqs)})",
+    )
+    for b in got:
+        i = win.by_seq.get(b.sequence_number)
+        if i is None:
+            continue
+        d = diff(win.want[i], batch_dict(b))
+        rep.check(not d, f"{label}: batch {b.sequence_number} fields", "; ".join(d))
+        raw = b.SerializeToString()
+        rep.check(
+            raw == win.bytes[i],
+            f"{label}: batch {b.sequence_number} bytes",
+            f"package re-encoding differs from tonic's ({len(raw)} vs {len(win.bytes[i])} bytes)",
+        )
+        bad = unknown_fields(b)
+        rep.check(not bad, f"{label}: batch {b.sequence_number} unknown fields", ", ".join(bad))
+        rep.check(not b.HasField("load"), f"{label}: batch {b.sequence_number} has no load record")
+        rep.check(b.sequence_number > 0, f"{label}: batch numbered 0")
+    return [b.SerializeToString() for b in got]
+
+
 def run_subscribe(target, expect_path):
     with open(expect_path) as f:
         exp = json.load(f)
@@ -482,14 +525,8 @@ def run_subscribe(target, expect_path):
         declared = {f.name for f in getattr(common, msg).DESCRIPTOR.fields}
         rep.check(declared == names, f"coverage of {msg}", f"package fields {sorted(declared)}, compared {sorted(names)}")
 
-    want = exp["batches"]
-    want_bytes = [bytes.fromhex(b.pop("bytes_hex")) for b in want]
-    by_seq = {b["sequence_number"]: i for i, b in enumerate(want)}
-    oldest, newest = exp["oldest"], exp["newest"]
-    rep.check(
-        [b["sequence_number"] for b in want] == list(range(oldest, newest + 1)),
-        "expectation is the contiguous window [oldest, newest]",
-    )
+    win = Window(exp, rep, "merged")
+    oldest, newest = win.oldest, win.newest
 
     channel = grpc.insecure_channel(target)
     grpc.channel_ready_future(channel).result(timeout=20)
@@ -497,39 +534,35 @@ def run_subscribe(target, expect_path):
     for engine, path, _, how in methods:
         print(f"subscribe: {engine:10} {path} via {how}", flush=True)
 
-    def check_stream(label, got, err, first):
-        """The batches of one subscription against the expectation from `first` to newest."""
-        rep.check(err is None, f"{label}: stream", f"ended with {err.code() if err else ''} {err.details() if err else ''}")
-        seqs = [b.sequence_number for b in got]
-        rep.check(seqs == list(range(first, newest + 1)), f"{label}: sequence numbers", f"expected {first}..{newest}, got {seqs[:5]}…{seqs[-3:]} ({len(seqs)})")
-        for b in got:
-            i = by_seq.get(b.sequence_number)
-            if i is None:
-                continue
-            d = diff(want[i], batch_dict(b))
-            rep.check(not d, f"{label}: batch {b.sequence_number} fields", "; ".join(d))
-            raw = b.SerializeToString()
-            rep.check(raw == want_bytes[i], f"{label}: batch {b.sequence_number} bytes", f"package re-encoding differs from tonic's ({len(raw)} vs {len(want_bytes[i])} bytes)")
-            bad = unknown_fields(b)
-            rep.check(not bad, f"{label}: batch {b.sequence_number} unknown fields", ", ".join(bad))
-            rep.check(not b.HasField("load"), f"{label}: batch {b.sequence_number} has no load record")
-            rep.check(b.sequence_number > 0, f"{label}: batch numbered 0")
-        return [b.SerializeToString() for b in got]
-
     # S = 0 on every path: the retained window from O, field for field, identical bytes.
     per_path = []
     for i, (engine, _, method, _) in enumerate(methods):
         got, err = subscribe_until(method, common, 0, newest, 60, load_records=i % 2 == 0)
-        per_path.append((engine, check_stream(f"{engine} S=0", got, err, oldest)))
+        per_path.append((engine, check_stream(rep, win, f"{engine} S=0", got, err, oldest)))
     for engine, raw in per_path[1:]:
         rep.check(raw == per_path[0][1], f"{engine} S=0: same bytes as {per_path[0][0]}")
+
+    # A per-rank stream selected by request metadata, if the expectation has one: the same
+    # checks, and there every batch carries `dp_rank` (explicit presence, even for rank 0).
+    if exp.get("rank_stream"):
+        section = exp["rank_stream"]
+        rwin = Window(section, rep, "rank")
+        md = tuple((k, v) for k, v in section["metadata"])
+        per_path = []
+        for engine, _, method, _ in methods:
+            label = f"{engine} S=0 {dict(md)}"
+            got, err = subscribe_until(method, common, 0, rwin.newest, 60, load_records=True, metadata=md)
+            per_path.append((engine, check_stream(rep, rwin, label, got, err, rwin.oldest)))
+            rep.check(bool(got) and all(b.HasField("dp_rank") for b in got), f"{label}: dp_rank present on every batch")
+        for engine, raw in per_path[1:]:
+            rep.check(raw == per_path[0][1], f"{engine} rank stream: same bytes as {per_path[0][0]}")
 
     # In window (O - 1 <= S < N): the first batch is S + 1, then contiguous to N.
     for j, s in enumerate(exp["resume"]["in_window"]):
         engine, _, method, _ = methods[j % len(methods)]
         got, err = subscribe_until(method, common, s, newest, 60, load_records=True)
         rep.check(bool(got) and got[0].sequence_number == s + 1, f"{engine} S={s}: first batch is S+1", f"got {got[0].sequence_number if got else None}")
-        check_stream(f"{engine} S={s}", got, err, s + 1)
+        check_stream(rep, win, f"{engine} S={s}", got, err, s + 1)
 
     # At head (S = N): headers at once, then nothing (no heartbeats) until the next batch.
     for s in exp["resume"]["at_head"]:
