@@ -17,7 +17,9 @@ Modes:
       Subscribes through the PACKAGE's generated stubs (not ours) on the four SubscribeKvEvents
       paths and checks what it decodes against the expectation the Rust side collected with tonic
       from the same bridge: sequence numbers, every field of every event (explicit presence via
-      HasField), identical bytes on all paths, and the resume cases of smg-api.md §6.2.
+      HasField), no unknown fields, identical bytes on all paths (and equal to tonic's
+      re-encoding), the resume cases of smg-api.md §6.2, and, when the expectation has a
+      `rank_stream`, a per-rank stream selected by request metadata, whose batches carry dp_rank.
       Prints `interop: N passed, M failed` last; exit 0 only if M = 0.
 
 Why both: the descriptor comparison catches a shape drift in our hand-written proto/ (written from
