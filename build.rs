@@ -23,7 +23,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(files, ["proto"])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     // The descriptor set also feeds gRPC server reflection and canonical JSON output.
-    std::fs::write(out.join("kvbridge_descriptor.bin"), prost::Message::encode_to_vec(&fds))?;
+    std::fs::write(
+        out.join("kvbridge_descriptor.bin"),
+        prost::Message::encode_to_vec(&fds),
+    )?;
     tonic_prost_build::configure()
         .build_server(false)
         .build_client(true)
@@ -35,7 +38,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .build_client(false)
         .out_dir(&server_out)
-        .extern_path(".smg.grpc.common.KvEventBatch", "crate::fanout::EncodedBatch")
+        .extern_path(
+            ".smg.grpc.common.KvEventBatch",
+            "crate::fanout::EncodedBatch",
+        )
         .extern_path(".smg.grpc.common", "crate::proto::common")
         .compile_fds(fds)?;
     Ok(())

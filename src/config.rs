@@ -181,7 +181,9 @@ impl SizeValue {
     fn resolve(&self, what: &str) -> Result<u64, ConfigError> {
         match self {
             SizeValue::Bytes(n) => Ok(*n),
-            SizeValue::Text(s) => parse_size(s).map_err(|e| ConfigError::Invalid(format!("{what}: {e}"))),
+            SizeValue::Text(s) => {
+                parse_size(s).map_err(|e| ConfigError::Invalid(format!("{what}: {e}")))
+            }
         }
     }
 }
@@ -241,35 +243,52 @@ impl ServeArgs {
             Some(path) => load_file(path)?,
             None => FileConfig::default(),
         };
-        let pick = |flag: &Vec<String>, file: &Vec<String>| if flag.is_empty() { file.clone() } else { flag.clone() };
+        let pick = |flag: &Vec<String>, file: &Vec<String>| {
+            if flag.is_empty() {
+                file.clone()
+            } else {
+                flag.clone()
+            }
+        };
         let zmq = pick(&self.zmq, &file.zmq);
         let zmq_bind = pick(&self.zmq_bind, &file.zmq_bind);
         let replay = pick(&self.replay, &file.replay);
 
         let ranks = build_ranks(&zmq, &zmq_bind, &replay)?;
 
-        let grpc_text = self.grpc.clone().or(file.grpc).unwrap_or_else(|| DEFAULT_GRPC.to_string());
-        let grpc = parse_addr(&grpc_text).map_err(|e| ConfigError::Invalid(format!("--grpc {grpc_text:?}: {e}")))?;
+        let grpc_text = self
+            .grpc
+            .clone()
+            .or(file.grpc)
+            .unwrap_or_else(|| DEFAULT_GRPC.to_string());
+        let grpc = parse_addr(&grpc_text)
+            .map_err(|e| ConfigError::Invalid(format!("--grpc {grpc_text:?}: {e}")))?;
         let shm = self
             .shm
             .clone()
             .or(file.shm)
             .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{}", grpc.port())));
         let ring_size = match &self.ring_size {
-            Some(s) => parse_size(s).map_err(|e| ConfigError::Invalid(format!("--ring-size {s:?}: {e}")))?,
+            Some(s) => parse_size(s)
+                .map_err(|e| ConfigError::Invalid(format!("--ring-size {s:?}: {e}")))?,
             None => match &file.ring_size {
                 Some(v) => v.resolve("ring-size")?,
                 None => DEFAULT_RING_SIZE,
             },
         };
         if ring_size < MIN_RING_SIZE {
-            return Err(ConfigError::Invalid(format!("--ring-size {ring_size}: must be at least 1MiB (1048576)")));
+            return Err(ConfigError::Invalid(format!(
+                "--ring-size {ring_size}: must be at least 1MiB (1048576)"
+            )));
         }
         if ring_size > (1 << 40) {
-            return Err(ConfigError::Invalid(format!("--ring-size {ring_size}: must be at most 1TiB")));
+            return Err(ConfigError::Invalid(format!(
+                "--ring-size {ring_size}: must be at most 1TiB"
+            )));
         }
         let split_threshold = match &self.split_threshold {
-            Some(s) => parse_size(s).map_err(|e| ConfigError::Invalid(format!("--split-threshold {s:?}: {e}")))?,
+            Some(s) => parse_size(s)
+                .map_err(|e| ConfigError::Invalid(format!("--split-threshold {s:?}: {e}")))?,
             None => match &file.split_threshold {
                 Some(v) => v.resolve("split-threshold")?,
                 // Small rings (tests) get a proportionally smaller default.
@@ -286,23 +305,42 @@ impl ServeArgs {
                 "--split-threshold {split_threshold}: must be at most a quarter of --ring-size ({ring_size})"
             )));
         }
-        let metrics_text = self.metrics.clone().or(file.metrics).unwrap_or_else(|| DEFAULT_METRICS.to_string());
-        let metrics = if metrics_text == "off" {
-            None
-        } else {
-            Some(parse_addr(&metrics_text).map_err(|e| ConfigError::Invalid(format!("--metrics {metrics_text:?}: {e}")))?)
-        };
-        let max_subscribers = self.max_subscribers.or(file.max_subscribers).unwrap_or(10_000);
+        let metrics_text = self
+            .metrics
+            .clone()
+            .or(file.metrics)
+            .unwrap_or_else(|| DEFAULT_METRICS.to_string());
+        let metrics =
+            if metrics_text == "off" {
+                None
+            } else {
+                Some(parse_addr(&metrics_text).map_err(|e| {
+                    ConfigError::Invalid(format!("--metrics {metrics_text:?}: {e}"))
+                })?)
+            };
+        let max_subscribers = self
+            .max_subscribers
+            .or(file.max_subscribers)
+            .unwrap_or(10_000);
         if max_subscribers == 0 {
-            return Err(ConfigError::Invalid("--max-subscribers: must be at least 1".into()));
+            return Err(ConfigError::Invalid(
+                "--max-subscribers: must be at least 1".into(),
+            ));
         }
-        let replay_timeout_ms = self.replay_timeout_ms.or(file.replay_timeout_ms).unwrap_or(2000);
+        let replay_timeout_ms = self
+            .replay_timeout_ms
+            .or(file.replay_timeout_ms)
+            .unwrap_or(2000);
         if replay_timeout_ms == 0 {
-            return Err(ConfigError::Invalid("--replay-timeout-ms: must be at least 1".into()));
+            return Err(ConfigError::Invalid(
+                "--replay-timeout-ms: must be at least 1".into(),
+            ));
         }
         let seq_base = self.seq_base.or(file.seq_base);
         if seq_base == Some(0) {
-            return Err(ConfigError::Invalid("--seq-base: sequence numbers start at 1 (0 is never sent)".into()));
+            return Err(ConfigError::Invalid(
+                "--seq-base: sequence numbers start at 1 (0 is never sent)".into(),
+            ));
         }
         Ok(ServeConfig {
             ranks,
@@ -328,11 +366,21 @@ impl ServeArgs {
 }
 
 fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-    toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.message().to_string() })
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.to_owned(),
+        message: e.message().to_string(),
+    })
 }
 
-fn build_ranks(zmq: &[String], zmq_bind: &[String], replay: &[String]) -> Result<Vec<RankEndpoint>, ConfigError> {
+fn build_ranks(
+    zmq: &[String],
+    zmq_bind: &[String],
+    replay: &[String],
+) -> Result<Vec<RankEndpoint>, ConfigError> {
     if zmq.is_empty() && zmq_bind.is_empty() {
         return Err(ConfigError::Invalid(
             "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT".into(),
@@ -346,20 +394,37 @@ fn build_ranks(zmq: &[String], zmq_bind: &[String], replay: &[String]) -> Result
         )));
     }
     let mut ranks = Vec::with_capacity(total);
-    for (i, (ep, bind)) in zmq.iter().map(|e| (e, false)).chain(zmq_bind.iter().map(|e| (e, true))).enumerate() {
+    for (i, (ep, bind)) in zmq
+        .iter()
+        .map(|e| (e, false))
+        .chain(zmq_bind.iter().map(|e| (e, true)))
+        .enumerate()
+    {
         let flag = if bind { "--zmq-bind" } else { "--zmq" };
-        let endpoint = validate_endpoint(ep, !bind).map_err(|e| ConfigError::Invalid(format!("{flag} {ep:?}: {e}")))?;
+        let endpoint = validate_endpoint(ep, !bind)
+            .map_err(|e| ConfigError::Invalid(format!("{flag} {ep:?}: {e}")))?;
         let replay = match replay.get(i) {
-            Some(r) => Some(validate_endpoint(r, true).map_err(|e| ConfigError::Invalid(format!("--replay {r:?}: {e}")))?),
+            Some(r) => Some(
+                validate_endpoint(r, true)
+                    .map_err(|e| ConfigError::Invalid(format!("--replay {r:?}: {e}")))?,
+            ),
             None => None,
         };
-        ranks.push(RankEndpoint { rank: i as u32, endpoint, bind, replay });
+        ranks.push(RankEndpoint {
+            rank: i as u32,
+            endpoint,
+            bind,
+            replay,
+        });
     }
     // engine-wire.md §2.2: replay = PUB + 1 collides with rank 1's PUB port.
     for a in &ranks {
         for b in &ranks {
             if a.rank != b.rank && a.endpoint == b.endpoint {
-                return Err(ConfigError::Invalid(format!("rank {} and rank {} use the same endpoint {}", a.rank, b.rank, a.endpoint)));
+                return Err(ConfigError::Invalid(format!(
+                    "rank {} and rank {} use the same endpoint {}",
+                    a.rank, b.rank, a.endpoint
+                )));
             }
             if let Some(r) = &b.replay {
                 if *r == a.endpoint {
@@ -389,7 +454,13 @@ pub fn validate_endpoint(ep: &str, connect: bool) -> Result<String, String> {
         let host = if connect {
             match host {
                 "*" | "0.0.0.0" => "127.0.0.1",
-                h if h.starts_with('[') && h.contains("::") && h.trim_matches(|c| c == '[' || c == ']' || c == ':').is_empty() => "[::1]",
+                h if h.starts_with('[')
+                    && h.contains("::")
+                    && h.trim_matches(|c| c == '[' || c == ']' || c == ':')
+                        .is_empty() =>
+                {
+                    "[::1]"
+                }
                 h => h,
             }
         } else {
@@ -425,15 +496,22 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("not a size: {s:?} (try 64MiB or 1048576)"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("not a size: {s:?} (try 64MiB or 1048576)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("unknown unit {other:?} in {s:?} (use KiB, MiB or GiB)")),
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {s:?} (use KiB, MiB or GiB)"
+            ))
+        }
     };
-    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 #[cfg(test)]
@@ -441,7 +519,10 @@ mod tests {
     use super::*;
 
     fn args(zmq: &[&str]) -> ServeArgs {
-        ServeArgs { zmq: zmq.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+        ServeArgs {
+            zmq: zmq.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -455,11 +536,26 @@ mod tests {
 
     #[test]
     fn wildcard_rewrite_only_when_connecting() {
-        assert_eq!(validate_endpoint("tcp://*:5557", true).unwrap(), "tcp://127.0.0.1:5557");
-        assert_eq!(validate_endpoint("tcp://0.0.0.0:5557", true).unwrap(), "tcp://127.0.0.1:5557");
-        assert_eq!(validate_endpoint("tcp://[::]:5557", true).unwrap(), "tcp://[::1]:5557");
-        assert_eq!(validate_endpoint("tcp://10.1.2.3:5557", true).unwrap(), "tcp://10.1.2.3:5557");
-        assert_eq!(validate_endpoint("tcp://*:5557", false).unwrap(), "tcp://*:5557");
+        assert_eq!(
+            validate_endpoint("tcp://*:5557", true).unwrap(),
+            "tcp://127.0.0.1:5557"
+        );
+        assert_eq!(
+            validate_endpoint("tcp://0.0.0.0:5557", true).unwrap(),
+            "tcp://127.0.0.1:5557"
+        );
+        assert_eq!(
+            validate_endpoint("tcp://[::]:5557", true).unwrap(),
+            "tcp://[::1]:5557"
+        );
+        assert_eq!(
+            validate_endpoint("tcp://10.1.2.3:5557", true).unwrap(),
+            "tcp://10.1.2.3:5557"
+        );
+        assert_eq!(
+            validate_endpoint("tcp://*:5557", false).unwrap(),
+            "tcp://*:5557"
+        );
         assert!(validate_endpoint("inproc://x", true).is_err());
         assert!(validate_endpoint("tcp://host", true).is_err());
         assert!(validate_endpoint("udp://x:1", true).is_err());
@@ -485,7 +581,11 @@ mod tests {
         let mut a = args(&["tcp://*:5557"]);
         a.grpc = Some("nope".into());
         assert!(a.resolve().unwrap_err().to_string().contains("--grpc"));
-        assert!(args(&[]).resolve().unwrap_err().to_string().contains("no engine endpoint"));
+        assert!(args(&[])
+            .resolve()
+            .unwrap_err()
+            .to_string()
+            .contains("no engine endpoint"));
         let mut a = args(&["tcp://*:5557", "tcp://*:5558"]);
         a.replay = vec!["tcp://*:5558".into()];
         assert!(a.resolve().unwrap_err().to_string().contains("collides"));
@@ -496,7 +596,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("k.toml");
         std::fs::write(&p, "zmq = [\"tcp://*:6000\"]\ngrpc = \"127.0.0.1:7000\"\nring-size = \"2MiB\"\ntopic = \"kv\"\n").unwrap();
-        let mut a = ServeArgs { config: Some(p.clone()), ..Default::default() };
+        let mut a = ServeArgs {
+            config: Some(p.clone()),
+            ..Default::default()
+        };
         let c = a.resolve().unwrap();
         assert_eq!(c.ranks[0].endpoint, "tcp://127.0.0.1:6000");
         assert_eq!(c.grpc.port(), 7000);

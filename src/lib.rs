@@ -15,6 +15,7 @@
 //! [`metrics`] (Prometheus). The wire formats are specified in `shared/spec/engine-wire.md`
 //! (engine side) and `shared/spec/smg-api.md` (gateway side).
 
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod decode;
@@ -22,6 +23,5 @@ pub mod fanout;
 pub mod ingest;
 pub mod metrics;
 pub mod proto;
-pub mod bench;
 pub mod ring;
 pub mod sim;

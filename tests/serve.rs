@@ -34,7 +34,11 @@ fn settle() {
 
 async fn subscribe_on(url: &str, path: usize, start: u64) -> tonic::Streaming<KvEventBatch> {
     use kvbridge::proto::*;
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string()).unwrap().connect().await.unwrap();
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let req = common_req(start);
     match path {
         0 => sglang::grpc::scheduler::sglang_scheduler_client::SglangSchedulerClient::new(ch).subscribe_kv_events(req).await,
@@ -47,7 +51,10 @@ async fn subscribe_on(url: &str, path: usize, start: u64) -> tonic::Streaming<Kv
 }
 
 fn common_req(start: u64) -> kvbridge::proto::common::SubscribeKvEventsRequest {
-    kvbridge::proto::common::SubscribeKvEventsRequest { start_sequence_number: start, load_records_before_first_batch: false }
+    kvbridge::proto::common::SubscribeKvEventsRequest {
+        start_sequence_number: start,
+        load_records_before_first_batch: false,
+    }
 }
 
 fn hashes_of(e: &SimEvent) -> Vec<u64> {
@@ -61,7 +68,11 @@ fn hashes_of(e: &SimEvent) -> Vec<u64> {
 async fn every_batch_in_order_to_every_subscriber_across_ranks_and_layouts() {
     let dir = tempfile::tempdir().unwrap();
     let (e0, e1) = (Engine::start(0), Engine::start(1));
-    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &rank_args(&[&e0, &e1]));
+    let bridge = Bridge::start(
+        dir.path(),
+        &dir.path().join("ring"),
+        &rank_args(&[&e0, &e1]),
+    );
     settle();
     let mut subs = Vec::new();
     for p in 0..4 {
@@ -80,10 +91,22 @@ async fn every_batch_in_order_to_every_subscriber_across_ranks_and_layouts() {
     }
     let total = expected[0].len() + expected[1].len();
     let cli = Command::new(bin())
-        .args(["subscribe", "--grpc", &bridge.grpc.to_string(), "--engine", "sglang", "--count", "96"])
+        .args([
+            "subscribe",
+            "--grpc",
+            &bridge.grpc.to_string(),
+            "--engine",
+            "sglang",
+            "--count",
+            "96",
+        ])
         .output()
         .unwrap();
-    assert!(cli.status.success(), "{}", String::from_utf8_lossy(&cli.stderr));
+    assert!(
+        cli.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cli.stderr)
+    );
 
     let mut encoded: Vec<Vec<Vec<u8>>> = Vec::new();
     for s in &mut subs {
@@ -96,12 +119,18 @@ async fn every_batch_in_order_to_every_subscriber_across_ranks_and_layouts() {
             let seen: Vec<u64> = hs.iter().copied().filter(|h| mine.contains(h)).collect();
             assert_eq!(seen, expected[r], "rank {r} blocks in publish order");
         }
-        assert!(got.iter().all(|b| b.dp_rank.is_none()), "merged stream leaves dp_rank unset");
+        assert!(
+            got.iter().all(|b| b.dp_rank.is_none()),
+            "merged stream leaves dp_rank unset"
+        );
         // Per-block tokens and parents survive.
         for b in &got {
             for e in &b.events {
                 if let Some(kvbridge::proto::common::kv_cache_event::Data::Stored(st)) = &e.data {
-                    assert!(st.blocks.iter().all(|k| k.token_ids.len() == 16 && k.block_size == 16));
+                    assert!(st
+                        .blocks
+                        .iter()
+                        .all(|k| k.token_ids.len() == 16 && k.block_size == 16));
                 }
             }
         }
@@ -143,13 +172,19 @@ async fn resume_inside_window_and_out_of_range_outside() {
     let mut probe = subscribe(&bridge.url(), 0).await.unwrap();
     let window = collect_until(&mut probe, T, |b| stored_hashes(b).contains(&last_hash)).await;
     assert_contiguous(&window);
-    let (o, newest) = (window[0].sequence_number, window.last().unwrap().sequence_number);
+    let (o, newest) = (
+        window[0].sequence_number,
+        window.last().unwrap().sequence_number,
+    );
     assert!(o > 2, "the ring must have wrapped (oldest {o})");
     assert_eq!(newest, n, "one record per engine batch, numbered from 1");
 
     for s in [o - 1, o, (o + newest) / 2, newest - 1] {
         let mut st = subscribe(&bridge.url(), s).await.unwrap();
-        let got = collect_until(&mut st, T, |b| b.last().is_some_and(|l| l.sequence_number == newest)).await;
+        let got = collect_until(&mut st, T, |b| {
+            b.last().is_some_and(|l| l.sequence_number == newest)
+        })
+        .await;
         assert_eq!(got[0].sequence_number, s + 1, "resume from {s}");
         let idx = (s + 1 - o) as usize;
         let want: Vec<Vec<u8>> = window[idx..].iter().map(|b| b.encode_to_vec()).collect();
@@ -158,19 +193,33 @@ async fn resume_inside_window_and_out_of_range_outside() {
     }
     // At head: nothing until the next batch, which is newest + 1.
     let mut head = subscribe(&bridge.url(), newest).await.unwrap();
-    assert!(tokio::time::timeout(Duration::from_millis(300), head.message()).await.is_err());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), head.message())
+            .await
+            .is_err()
+    );
     e.publish(Layout::Vllm033, vec![store(99_999, 1, None)], 0);
     let got = collect_until(&mut head, T, |b| !b.is_empty()).await;
     assert_eq!(got[0].sequence_number, newest + 1);
 
     for s in [1, o - 2, newest + 2, newest + 1000] {
-        let err = subscribe(&bridge.url(), s).await.expect_err("must be refused");
+        let err = subscribe(&bridge.url(), s)
+            .await
+            .expect_err("must be refused");
         assert_eq!(err.code(), tonic::Code::OutOfRange, "S = {s}: {err:?}");
     }
     let err = subscribe(&bridge.url(), 1).await.unwrap_err();
-    assert!(err.message().contains("older than the retained window"), "{}", err.message());
+    assert!(
+        err.message().contains("older than the retained window"),
+        "{}",
+        err.message()
+    );
     let err = subscribe(&bridge.url(), newest + 1000).await.unwrap_err();
-    assert!(err.message().contains("ahead of newest"), "{}", err.message());
+    assert!(
+        err.message().contains("ahead of newest"),
+        "{}",
+        err.message()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,14 +233,19 @@ async fn a_subscriber_that_stops_reading_gets_data_loss_and_never_stalls_others(
     e.publish(Layout::Vllm022, vec![store(1, 1, None)], 0);
     let mut stalled = subscribe(&bridge.url(), 0).await.unwrap();
     let first = collect_until(&mut stalled, T, |b| !b.is_empty()).await;
-    let live = subscribe(&bridge.url(), first[0].sequence_number).await.unwrap();
+    let live = subscribe(&bridge.url(), first[0].sequence_number)
+        .await
+        .unwrap();
     // ~8 MB through a 2 MiB ring while `stalled` reads nothing; a second subscriber keeps up
     // (ingest is never blocked by the stalled one).
     let events: Vec<SimEvent> = (0..1200u64).map(|i| store(i + 10, 100, None)).collect();
     let last_hash = *hashes_of(events.last().unwrap()).last().unwrap();
     let reader = tokio::spawn(async move {
         let mut live = live;
-        collect_until(&mut live, Duration::from_secs(90), |b| stored_hashes(b).contains(&last_hash)).await
+        collect_until(&mut live, Duration::from_secs(90), |b| {
+            stored_hashes(b).contains(&last_hash)
+        })
+        .await
     });
     for (i, ev) in events.into_iter().enumerate() {
         e.publish(layout(i), vec![ev], 0);
@@ -205,7 +259,10 @@ async fn a_subscriber_that_stops_reading_gets_data_loss_and_never_stalls_others(
     // DATA_LOSS — never a silent skip.
     let mut prev = first[0].sequence_number;
     let status = loop {
-        match tokio::time::timeout(T, stalled.message()).await.expect("stalled stream must end") {
+        match tokio::time::timeout(T, stalled.message())
+            .await
+            .expect("stalled stream must end")
+        {
             Ok(Some(b)) => {
                 assert_eq!(b.sequence_number, prev + 1, "no silent skip");
                 prev = b.sequence_number;
@@ -215,7 +272,11 @@ async fn a_subscriber_that_stops_reading_gets_data_loss_and_never_stalls_others(
         }
     };
     assert_eq!(status.code(), tonic::Code::DataLoss, "{status:?}");
-    assert!(status.message().contains(&format!("last delivered {prev}")), "{}", status.message());
+    assert!(
+        status.message().contains(&format!("last delivered {prev}")),
+        "{}",
+        status.message()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -232,7 +293,11 @@ async fn gap_is_filled_by_replay_and_engine_restart_is_signalled() {
     e.with(move |p| p.publish_dropped(encode_batch(Layout::Vllm0102, 1.0, &[b], 0)));
     e.publish(Layout::Vllm0102, vec![c], 0);
     let got = collect_until(&mut s, T, |g| stored_hashes(g).len() >= 6).await;
-    assert_eq!(stored_hashes(&got), [ha, hb, hc].concat(), "replay filled the gap in order");
+    assert_eq!(
+        stored_hashes(&got),
+        [ha, hb, hc].concat(),
+        "replay filled the gap in order"
+    );
     assert_eq!(clears(&got), 0);
 
     // Engine restart: its counter goes back to 0; subscribers get a clear first.
@@ -242,7 +307,9 @@ async fn gap_is_filled_by_replay_and_engine_restart_is_signalled() {
     e.publish(Layout::Vllm033, vec![d], 0);
     let got = collect_until(&mut s, T, |g| !stored_hashes(g).is_empty()).await;
     assert_eq!(clears(&got), 1, "a restart is signalled in band");
-    assert!(matches!(got[0].events[0].data, Some(kvbridge::proto::common::kv_cache_event::Data::Cleared(ref c)) if c.ownership.is_none()));
+    assert!(
+        matches!(got[0].events[0].data, Some(kvbridge::proto::common::kv_cache_event::Data::Cleared(ref c)) if c.ownership.is_none())
+    );
     assert_eq!(stored_hashes(&got), hd);
 
     // A burned seq (never buffered) cannot be replayed: also signalled in band.
@@ -279,14 +346,35 @@ async fn bridge_restart_continues_the_sequence_and_catches_up_from_replay() {
     e.publish(Layout::Vllm022Bin, vec![b], 0);
 
     let grpc = format!("127.0.0.1:{}", free_port());
-    let mut args = vec!["serve".to_string(), "--grpc".into(), grpc.clone(), "--shm".into(), dir.path().join("ring").display().to_string()];
+    let mut args = vec![
+        "serve".to_string(),
+        "--grpc".into(),
+        grpc.clone(),
+        "--shm".into(),
+        dir.path().join("ring").display().to_string(),
+    ];
     args.extend(["--metrics".into(), "off".into()]);
     args.extend(rank_args(&[&e]));
-    let bridge = Bridge::start_args(dir.path(), grpc.parse().unwrap(), &dir.path().join("ring"), args);
-    let mut s = subscribe(&bridge.url(), cursor).await.expect("old cursor still valid after restart");
+    let bridge = Bridge::start_args(
+        dir.path(),
+        grpc.parse().unwrap(),
+        &dir.path().join("ring"),
+        args,
+    );
+    let mut s = subscribe(&bridge.url(), cursor)
+        .await
+        .expect("old cursor still valid after restart");
     let got = collect_until(&mut s, T, |g| stored_hashes(g).len() >= 2).await;
-    assert_eq!(got[0].sequence_number, cursor + 1, "numbering continues after a restart");
-    assert_eq!(stored_hashes(&got), hb, "what the engine published meanwhile was replayed");
+    assert_eq!(
+        got[0].sequence_number,
+        cursor + 1,
+        "numbering continues after a restart"
+    );
+    assert_eq!(
+        stored_hashes(&got),
+        hb,
+        "what the engine published meanwhile was replayed"
+    );
     assert_eq!(clears(&got), 0);
     assert!(bridge.stop().success());
 }
@@ -301,16 +389,39 @@ async fn tail_reads_the_ring_from_another_process_while_serving() {
     for i in 0..5 {
         e.publish(layout(i), vec![store(i as u64 + 1, 2, None)], 0);
     }
-    let out = Command::new(bin()).args(["tail", "--shm", &ring.display().to_string(), "--count", "5", "--meta"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(bin())
+        .args([
+            "tail",
+            "--shm",
+            &ring.display().to_string(),
+            "--count",
+            "5",
+            "--meta",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 5);
     for (i, l) in lines.iter().enumerate() {
         assert_eq!(l["seq"], i as u64 + 1);
         assert_eq!(l["engineSeq"], i as u64);
         assert_eq!(l["batch"]["sequenceNumber"], (i + 1).to_string());
-        assert_eq!(l["batch"]["events"][0]["stored"]["blocks"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            l["batch"]["events"][0]["stored"]["blocks"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
     }
     assert!(bridge.stop().success());
 }
@@ -319,7 +430,10 @@ async fn tail_reads_the_ring_from_another_process_while_serving() {
 fn setup_errors_are_one_line_and_exit_2() {
     let run = |args: &[&str]| {
         let o = Command::new(bin()).args(args).output().unwrap();
-        (o.status.code(), String::from_utf8_lossy(&o.stderr).to_string())
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
     };
     let (code, err) = run(&["serve", "--bogus"]);
     assert_eq!(code, Some(2), "{err}");
@@ -329,10 +443,28 @@ fn setup_errors_are_one_line_and_exit_2() {
     assert!(err.contains("--zmq"), "{err}");
     let occupied = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = occupied.local_addr().unwrap().port().to_string();
-    let (code, err) = run(&["serve", "--zmq", "tcp://127.0.0.1:5999", "--grpc", &format!("127.0.0.1:{port}"), "--metrics", "off"]);
+    let (code, err) = run(&[
+        "serve",
+        "--zmq",
+        "tcp://127.0.0.1:5999",
+        "--grpc",
+        &format!("127.0.0.1:{port}"),
+        "--metrics",
+        "off",
+    ]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--grpc"), "{err}");
-    let (code, err) = run(&["serve", "--zmq", "tcp://127.0.0.1:5999", "--grpc", "127.0.0.1:0", "--metrics", "off", "--shm", "/nonexistent-dir/ring"]);
+    let (code, err) = run(&[
+        "serve",
+        "--zmq",
+        "tcp://127.0.0.1:5999",
+        "--grpc",
+        "127.0.0.1:0",
+        "--metrics",
+        "off",
+        "--shm",
+        "/nonexistent-dir/ring",
+    ]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--shm"), "{err}");
     let (code, err) = run(&["subscribe", "--grpc", &format!("127.0.0.1:{}", free_port())]);

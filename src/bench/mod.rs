@@ -84,7 +84,14 @@ impl Latency {
     /// Percentiles of a histogram recorded in nanoseconds.
     pub fn from_ns(h: &Histogram<u64>) -> Self {
         let us = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
-        Latency { count: h.len(), p50_us: us(0.5), p90_us: us(0.9), p99_us: us(0.99), p999_us: us(0.999), max_us: h.max() as f64 / 1e3 }
+        Latency {
+            count: h.len(),
+            p50_us: us(0.5),
+            p90_us: us(0.9),
+            p99_us: us(0.99),
+            p999_us: us(0.999),
+            max_us: h.max() as f64 / 1e3,
+        }
     }
 }
 
@@ -158,9 +165,19 @@ pub struct Publisher {
 fn mix_batch(mix: Mix, w: &mut Workload, seed: &mut u64) -> Vec<SimEvent> {
     let mut store = |blocks: usize| {
         *seed += 1;
-        let hashes = (0..blocks as u64).map(|i| seed.wrapping_mul(0x9E37_79B9).wrapping_add(i)).collect();
-        let tokens = (0..blocks * 16).map(|i| (i as u32 * 7919) % 151_000 + 1).collect();
-        SimEvent::Stored { hashes, parent: None, tokens, block_size: 16, medium: Some("GPU".into()) }
+        let hashes = (0..blocks as u64)
+            .map(|i| seed.wrapping_mul(0x9E37_79B9).wrapping_add(i))
+            .collect();
+        let tokens = (0..blocks * 16)
+            .map(|i| (i as u32 * 7919) % 151_000 + 1)
+            .collect();
+        SimEvent::Stored {
+            hashes,
+            parent: None,
+            tokens,
+            block_size: 16,
+            medium: Some("GPU".into()),
+        }
     };
     match mix {
         Mix::Serving => w.next_batch(),
@@ -171,8 +188,13 @@ fn mix_batch(mix: Mix, w: &mut Workload, seed: &mut u64) -> Vec<SimEvent> {
 
 impl Publisher {
     /// Binds the engine side (PUB + replay ROUTER) at `endpoint` / `replay`.
-    pub fn bind(ctx: &zmq::Context, endpoint: &str, replay: &str) -> Result<(EnginePublisher, String, String), String> {
-        let p = EnginePublisher::bind(ctx, endpoint, Some(replay), "").map_err(|e| format!("cannot bind the bench engine at {endpoint}: {e}"))?;
+    pub fn bind(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        replay: &str,
+    ) -> Result<(EnginePublisher, String, String), String> {
+        let p = EnginePublisher::bind(ctx, endpoint, Some(replay), "")
+            .map_err(|e| format!("cannot bind the bench engine at {endpoint}: {e}"))?;
         let (e, r) = (p.endpoint(), p.replay_endpoint().unwrap_or_default());
         Ok((p, e, r))
     }
@@ -190,7 +212,14 @@ impl Publisher {
                 // Pre-encode a pool of batches so that encoding cost does not limit the rate;
                 // the timestamp (`9x cb <f64>`: bytes 2..10) is patched per send.
                 let pool: Vec<Vec<u8>> = (0..256)
-                    .map(|i| encode_batch(Layout::ALL[i % Layout::ALL.len()], 0.0, &mix_batch(mix, &mut w, &mut seed), 0))
+                    .map(|i| {
+                        encode_batch(
+                            Layout::ALL[i % Layout::ALL.len()],
+                            0.0,
+                            &mix_batch(mix, &mut w, &mut seed),
+                            0,
+                        )
+                    })
                     .collect();
                 let start = Instant::now();
                 let wall0 = crate::ring::unix_seconds();
@@ -224,7 +253,11 @@ impl Publisher {
                 }
             })
             .expect("spawn publisher");
-        Publisher { published, stop, thread: Some(thread) }
+        Publisher {
+            published,
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Stops publishing.
@@ -238,13 +271,21 @@ impl Publisher {
 
 /// Runs the gRPC subscribers and shm readers against a running bridge with a publisher already
 /// started, for the measured window; returns the merged result.
-pub async fn measure(cfg: &BenchConfig, publisher: &Publisher, progress: bool) -> Result<BenchResult, String> {
+pub async fn measure(
+    cfg: &BenchConfig,
+    publisher: &Publisher,
+    progress: bool,
+) -> Result<BenchResult, String> {
     let stop = Arc::new(AtomicBool::new(false));
     let measuring = Arc::new(AtomicBool::new(false));
     // HTTP/2 connections.
     let mut channels = Vec::new();
     for _ in 0..cfg.connections.max(1) {
-        let url = if cfg.grpc.contains("://") { cfg.grpc.clone() } else { format!("http://{}", cfg.grpc) };
+        let url = if cfg.grpc.contains("://") {
+            cfg.grpc.clone()
+        } else {
+            format!("http://{}", cfg.grpc)
+        };
         let ch = tonic::transport::Endpoint::from_shared(url)
             .map_err(|e| e.to_string())?
             .tcp_nodelay(true)
@@ -258,11 +299,20 @@ pub async fn measure(cfg: &BenchConfig, publisher: &Publisher, progress: bool) -
     let mut subs = Vec::new();
     for i in 0..cfg.subscribers {
         let ch = channels[i % channels.len()].clone();
-        subs.push(tokio::spawn(wire::subscriber(ch, stop.clone(), measuring.clone())));
+        subs.push(tokio::spawn(wire::subscriber(
+            ch,
+            stop.clone(),
+            measuring.clone(),
+        )));
     }
     let mut readers = Vec::new();
     for _ in 0..cfg.shm_readers {
-        readers.push(reader::spawn_process(&cfg.shm, cfg.warmup + cfg.duration + Duration::from_millis(500), cfg.shm_spin, cfg.warmup)?);
+        readers.push(reader::spawn_process(
+            &cfg.shm,
+            cfg.warmup + cfg.duration + Duration::from_millis(500),
+            cfg.shm_spin,
+            cfg.warmup,
+        )?);
     }
     tokio::time::sleep(cfg.warmup).await;
     measuring.store(true, Ordering::SeqCst);
@@ -276,7 +326,10 @@ pub async fn measure(cfg: &BenchConfig, publisher: &Publisher, progress: bool) -
         if progress && s != last {
             last = s;
             let sent = publisher.published.load(Ordering::Relaxed) - p0;
-            eprint!("\rbench: {s:>3}/{}s  published {sent}  ", cfg.duration.as_secs());
+            eprint!(
+                "\rbench: {s:>3}/{}s  published {sent}  ",
+                cfg.duration.as_secs()
+            );
         }
     }
     if progress {
@@ -349,10 +402,21 @@ pub fn table(r: &BenchResult) -> String {
         r.rate, r.seconds, r.published, r.subscribers, r.connections, r.shm_readers
     );
     s += "path   delivered      lost  dup  err     p50 µs     p90 µs     p99 µs   p99.9 µs     max µs\n";
-    for (name, d, l) in [("grpc", &r.grpc, &r.grpc_latency), ("shm", &r.shm, &r.shm_latency)] {
+    for (name, d, l) in [
+        ("grpc", &r.grpc, &r.grpc_latency),
+        ("shm", &r.shm, &r.shm_latency),
+    ] {
         s += &format!(
             "{name:<5} {:>10} {:>9} {:>4} {:>4} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}\n",
-            d.delivered, d.lost, d.duplicates, d.errors, l.p50_us, l.p90_us, l.p99_us, l.p999_us, l.max_us
+            d.delivered,
+            d.lost,
+            d.duplicates,
+            d.errors,
+            l.p50_us,
+            l.p90_us,
+            l.p99_us,
+            l.p999_us,
+            l.max_us
         );
     }
     s += &format!(

@@ -33,7 +33,12 @@ pub struct ReaderOut {
 }
 
 /// Starts `kvbridge bench-reader` on `shm`.
-pub fn spawn_process(shm: &Path, run_for: Duration, spin: bool, warmup: Duration) -> Result<Child, String> {
+pub fn spawn_process(
+    shm: &Path,
+    run_for: Duration,
+    spin: bool,
+    warmup: Duration,
+) -> Result<Child, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut c = Command::new(exe);
     c.arg("bench-reader")
@@ -46,38 +51,68 @@ pub fn spawn_process(shm: &Path, run_for: Duration, spin: bool, warmup: Duration
     if spin {
         c.arg("--spin");
     }
-    c.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("cannot start a reader process: {e}"))
+    c.stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start a reader process: {e}"))
 }
 
 /// Waits for a reader process and parses its report.
 pub fn collect(mut child: Child) -> Result<ReaderOut, String> {
     let mut s = String::new();
-    child.stdout.take().expect("piped").read_to_string(&mut s).map_err(|e| e.to_string())?;
+    child
+        .stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut s)
+        .map_err(|e| e.to_string())?;
     let st = child.wait().map_err(|e| e.to_string())?;
     if !st.success() {
         return Err(format!("shm reader process failed: {st}"));
     }
-    let r: Report = serde_json::from_str(s.trim()).map_err(|e| format!("bad reader report: {e}"))?;
+    let r: Report =
+        serde_json::from_str(s.trim()).map_err(|e| format!("bad reader report: {e}"))?;
     let bytes = (0..r.hist_hex.len() / 2)
         .map(|i| u8::from_str_radix(&r.hist_hex[2 * i..2 * i + 2], 16))
         .collect::<Result<Vec<u8>, _>>()
         .map_err(|e| e.to_string())?;
-    let hist: Histogram<u64> = Deserializer::new().deserialize(&mut bytes.as_slice()).map_err(|e| format!("{e:?}"))?;
-    Ok(ReaderOut { hist, delivery: Delivery { delivered: r.delivered, lost: r.lost, duplicates: r.duplicates, errors: r.errors } })
+    let hist: Histogram<u64> = Deserializer::new()
+        .deserialize(&mut bytes.as_slice())
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(ReaderOut {
+        hist,
+        delivery: Delivery {
+            delivered: r.delivered,
+            lost: r.lost,
+            duplicates: r.duplicates,
+            errors: r.errors,
+        },
+    })
 }
 
 /// The body of `kvbridge bench-reader`: reads live records for `run_for`, counting after
 /// `warmup`, and prints the report.
-pub fn run_reader(shm: &Path, run_for: Duration, warmup: Duration, spin: bool) -> Result<(), String> {
+pub fn run_reader(
+    shm: &Path,
+    run_for: Duration,
+    warmup: Duration,
+    spin: bool,
+) -> Result<(), String> {
     let mut reader = RingReader::open(shm).map_err(|e| format!("--shm {}: {e}", shm.display()))?;
-    reader.seek(reader.newest() + 1).map_err(|e| e.to_string())?;
+    reader
+        .seek(reader.newest() + 1)
+        .map_err(|e| e.to_string())?;
     let start = Instant::now();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("bounds");
     let mut d = Delivery::default();
     let mut last: Option<u64> = None;
     while start.elapsed() < run_for {
         let counting = start.elapsed() >= warmup;
-        let outcome = if spin { reader.next() } else { reader.next_blocking(Duration::from_millis(50)) };
+        let outcome = if spin {
+            reader.next()
+        } else {
+            reader.next_blocking(Duration::from_millis(50))
+        };
         match outcome {
             ReadOutcome::Record(v) => {
                 let seq = v.seq();
@@ -121,9 +156,17 @@ pub fn run_reader(shm: &Path, run_for: Duration, warmup: Duration, spin: bool) -
         }
     }
     let mut buf = Vec::new();
-    V2Serializer::new().serialize(&hist, &mut buf).map_err(|e| format!("{e:?}"))?;
+    V2Serializer::new()
+        .serialize(&hist, &mut buf)
+        .map_err(|e| format!("{e:?}"))?;
     let hist_hex = buf.iter().map(|b| format!("{b:02x}")).collect();
-    let r = Report { delivered: d.delivered, lost: d.lost, duplicates: d.duplicates, errors: d.errors, hist_hex };
+    let r = Report {
+        delivered: d.delivered,
+        lost: d.lost,
+        duplicates: d.duplicates,
+        errors: d.errors,
+        hist_hex,
+    };
     println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
     Ok(())
 }

@@ -30,7 +30,11 @@ pub fn seq_and_ts(b: &[u8]) -> Option<(u64, f64)> {
     }
     buf.advance(1);
     let seq = prost::encoding::decode_varint(&mut buf).ok()?;
-    let ts = if buf.first() == Some(&0x11) && buf.len() >= 9 { f64::from_le_bytes(buf[1..9].try_into().ok()?) } else { 0.0 };
+    let ts = if buf.first() == Some(&0x11) && buf.len() >= 9 {
+        f64::from_le_bytes(buf[1..9].try_into().ok()?)
+    } else {
+        0.0
+    };
     Some((seq, ts))
 }
 
@@ -55,7 +59,8 @@ impl Encoder for RawCodec {
     type Item = SubscribeKvEventsRequest;
     type Error = Status;
     fn encode(&mut self, item: Self::Item, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        item.encode(dst).map_err(|e| Status::internal(e.to_string()))
+        item.encode(dst)
+            .map_err(|e| Status::internal(e.to_string()))
     }
 }
 
@@ -79,7 +84,11 @@ pub struct SubOut {
 }
 
 /// One subscriber on the vLLM path, counting only while `measuring`.
-pub async fn subscriber(ch: tonic::transport::Channel, stop: Arc<AtomicBool>, measuring: Arc<AtomicBool>) -> SubOut {
+pub async fn subscriber(
+    ch: tonic::transport::Channel,
+    stop: Arc<AtomicBool>,
+    measuring: Arc<AtomicBool>,
+) -> SubOut {
     let mut out = SubOut {
         hist: Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("bounds"),
         delivery: Delivery::default(),
@@ -90,10 +99,17 @@ pub async fn subscriber(ch: tonic::transport::Channel, stop: Arc<AtomicBool>, me
         out.delivery.errors += 1;
         return out;
     }
-    let path = http::uri::PathAndQuery::from_static("/vllm.grpc.engine.VllmEngine/SubscribeKvEvents");
+    let path =
+        http::uri::PathAndQuery::from_static("/vllm.grpc.engine.VllmEngine/SubscribeKvEvents");
     // Start at the head: the bench measures live delivery, not a replay of the window.
-    let req = SubscribeKvEventsRequest { start_sequence_number: 0, load_records_before_first_batch: false };
-    let mut stream = match grpc.server_streaming(tonic::Request::new(req), path, RawCodec).await {
+    let req = SubscribeKvEventsRequest {
+        start_sequence_number: 0,
+        load_records_before_first_batch: false,
+    };
+    let mut stream = match grpc
+        .server_streaming(tonic::Request::new(req), path, RawCodec)
+        .await
+    {
         Ok(r) => r.into_inner(),
         Err(_) => {
             out.delivery.errors += 1;
@@ -146,7 +162,12 @@ mod tests {
 
     #[test]
     fn parses_the_head_of_a_batch() {
-        let b = crate::proto::common::KvEventBatch { sequence_number: 300, timestamp: 1.5, ..Default::default() }.encode_to_vec();
+        let b = crate::proto::common::KvEventBatch {
+            sequence_number: 300,
+            timestamp: 1.5,
+            ..Default::default()
+        }
+        .encode_to_vec();
         assert_eq!(seq_and_ts(&b), Some((300, 1.5)));
         let mut batch = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90, 0x00];
         patch_ts(&mut batch, 2.25);

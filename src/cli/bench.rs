@@ -68,8 +68,13 @@ pub struct BenchReaderArgs {
 }
 
 pub(super) fn run_reader(a: BenchReaderArgs) -> Result<(), CliError> {
-    bench::reader::run_reader(&a.shm, Duration::from_millis(a.run_ms), Duration::from_millis(a.warmup_ms), a.spin)
-        .map_err(CliError::Failed)
+    bench::reader::run_reader(
+        &a.shm,
+        Duration::from_millis(a.run_ms),
+        Duration::from_millis(a.warmup_ms),
+        a.spin,
+    )
+    .map_err(CliError::Failed)
 }
 
 /// A bridge the bench started (`kvbridge serve` as a child process).
@@ -103,23 +108,55 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     let ctx = zmq::Context::new();
     let (grpc, shm, pid, engine, _own) = match &a.grpc {
         Some(g) => {
-            let ep = a.engine_bind.clone().expect("clap requires --engine-bind with --grpc");
-            let (p, _, _) = Publisher::bind(&ctx, &ep, "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
+            let ep = a
+                .engine_bind
+                .clone()
+                .expect("clap requires --engine-bind with --grpc");
+            let (p, _, _) =
+                Publisher::bind(&ctx, &ep, "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
             if a.shm_readers > 0 && a.shm.is_none() {
-                return Err(CliError::Setup("--shm-readers needs --shm PATH of the running bridge".into()));
+                return Err(CliError::Setup(
+                    "--shm-readers needs --shm PATH of the running bridge".into(),
+                ));
             }
-            (g.clone(), a.shm.clone().unwrap_or_default(), a.serve_pid, p, None)
+            (
+                g.clone(),
+                a.shm.clone().unwrap_or_default(),
+                a.serve_pid,
+                p,
+                None,
+            )
         }
         None => {
-            let (p, ep, rep) = Publisher::bind(&ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
-            let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| CliError::Setup(e.to_string()))?.port();
+            let (p, ep, rep) = Publisher::bind(&ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+                .map_err(CliError::Setup)?;
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| CliError::Setup(e.to_string()))?
+                .port();
             let grpc = format!("127.0.0.1:{port}");
-            let dir = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+            let dir = if std::path::Path::new("/dev/shm").is_dir() {
+                PathBuf::from("/dev/shm")
+            } else {
+                std::env::temp_dir()
+            };
             let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
             let _ = std::fs::remove_file(&shm);
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
             let child = Command::new(exe)
-                .args(["serve", "--zmq", &ep, "--replay", &rep, "--grpc", &grpc, "--metrics", "off", "--seq-base", "1"])
+                .args([
+                    "serve",
+                    "--zmq",
+                    &ep,
+                    "--replay",
+                    &rep,
+                    "--grpc",
+                    &grpc,
+                    "--metrics",
+                    "off",
+                    "--seq-base",
+                    "1",
+                ])
                 .arg("--shm")
                 .arg(&shm)
                 .args(["--ring-size", &a.ring_size])
@@ -128,11 +165,16 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 .spawn()
                 .map_err(|e| CliError::Setup(format!("cannot start kvbridge serve: {e}")))?;
             let pid = child.id();
-            let own = OwnBridge { child, shm: shm.clone() };
+            let own = OwnBridge {
+                child,
+                shm: shm.clone(),
+            };
             let deadline = Instant::now() + Duration::from_secs(20);
             while std::net::TcpStream::connect(&grpc).is_err() {
                 if Instant::now() > deadline {
-                    return Err(CliError::Failed("the bridge did not start within 20 s".into()));
+                    return Err(CliError::Failed(
+                        "the bridge did not start within 20 s".into(),
+                    ));
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -163,7 +205,8 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     print!("{}", bench::table(&result));
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&result).expect("serializable");
-        std::fs::write(path, text).map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
+        std::fs::write(path, text)
+            .map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
     }
     Ok(())
 }

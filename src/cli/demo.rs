@@ -49,7 +49,9 @@ struct Lane {
 impl Lane {
     fn new() -> Arc<Self> {
         Arc::new(Lane {
-            hist: Mutex::new(Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds")),
+            hist: Mutex::new(
+                Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds"),
+            ),
             batches: AtomicU64::new(0),
             losses: AtomicU64::new(0),
         })
@@ -73,7 +75,9 @@ fn now_secs() -> f64 {
 
 pub(super) fn run(a: DemoArgs) -> Result<(), CliError> {
     if a.rate == 0 || a.ranks == 0 || a.ranks > 16 {
-        return Err(CliError::Setup("--rate must be > 0 and --ranks between 1 and 16".into()));
+        return Err(CliError::Setup(
+            "--rate must be > 0 and --ranks between 1 and 16".into(),
+        ));
     }
     super::init_tracing(LogFormat::Text);
     let rt = super::runtime()?;
@@ -145,12 +149,20 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         let lane = grpc_lane.clone();
         let url = format!("http://{grpc}");
         tokio::spawn(async move {
-            let Ok(mut c) = crate::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(url).await else {
+            let Ok(mut c) =
+                crate::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(
+                    url,
+                )
+                .await
+            else {
                 return;
             };
             let mut cursor = 0;
             loop {
-                let req = SubscribeKvEventsRequest { start_sequence_number: cursor, load_records_before_first_batch: false };
+                let req = SubscribeKvEventsRequest {
+                    start_sequence_number: cursor,
+                    load_records_before_first_batch: false,
+                };
                 let Ok(resp) = c.subscribe_kv_events(req).await else {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     continue;
@@ -164,7 +176,9 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
                         }
                         Ok(None) => return,
                         Err(st) => {
-                            if st.code() == tonic::Code::DataLoss || st.code() == tonic::Code::OutOfRange {
+                            if st.code() == tonic::Code::DataLoss
+                                || st.code() == tonic::Code::OutOfRange
+                            {
                                 lane.losses.fetch_add(1, Ordering::Relaxed);
                                 cursor = 0;
                             } else {
@@ -204,7 +218,12 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         }));
     }
 
-    println!("kvbridge demo: {} engine rank(s) at {} batches/s each → ring {} → gRPC {grpc}", a.ranks, a.rate, shm.display());
+    println!(
+        "kvbridge demo: {} engine rank(s) at {} batches/s each → ring {} → gRPC {grpc}",
+        a.ranks,
+        a.rate,
+        shm.display()
+    );
     if let Some(m) = service.metrics_addr {
         println!("metrics: http://{m}/metrics   try: kvbridge subscribe --grpc {grpc} --count 3   |   kvbridge tail --shm {} --count 3", shm.display());
     }
@@ -228,7 +247,13 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
             .map(|r| {
                 ["frame_count", "seq_length", "topic", "empty_payload"]
                     .iter()
-                    .map(|k| service.metrics.frames_dropped.with_label_values(&[r.to_string().as_str(), *k]).get())
+                    .map(|k| {
+                        service
+                            .metrics
+                            .frames_dropped
+                            .with_label_values(&[r.to_string().as_str(), *k])
+                            .get()
+                    })
                     .sum::<u64>()
             })
             .sum();
@@ -264,7 +289,9 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         }
         last_pub = pubd;
         last_sent = sent;
-        if a.duration.is_some_and(|d| started.elapsed() >= Duration::from_secs(d)) {
+        if a.duration
+            .is_some_and(|d| started.elapsed() >= Duration::from_secs(d))
+        {
             break;
         }
     }

@@ -94,7 +94,9 @@ fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
 fn init_tracing(format: crate::config::LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         crate::config::LogFormat::Text => b.try_init(),
         crate::config::LogFormat::Json => b.json().try_init(),

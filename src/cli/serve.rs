@@ -68,7 +68,10 @@ impl ServiceHandle {
             h.wake_all();
         }
         let mut server = self.server;
-        if tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(5), &mut server)
+            .await
+            .is_err()
+        {
             tracing::warn!("connections did not drain within 5 s; closing them");
             server.abort();
         }
@@ -93,20 +96,30 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         .map_err(|e| setup(format!("--grpc {}: cannot listen: {e}", cfg.grpc)))?;
     let grpc_addr = listener.local_addr().map_err(|e| setup(e.to_string()))?;
     let metrics_listener = match cfg.metrics {
-        Some(a) => Some(crate::metrics::bind(a).await.map_err(|e| setup(format!("--metrics {a}: cannot listen: {e}")))?),
+        Some(a) => Some(
+            crate::metrics::bind(a)
+                .await
+                .map_err(|e| setup(format!("--metrics {a}: cannot listen: {e}")))?,
+        ),
         None => None,
     };
     let metrics_addr = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
     let metrics = Arc::new(Metrics::new());
 
-    let opts = WriterOptions { capacity: cfg.ring_size as usize, seq_base: cfg.seq_base, group_read: cfg.shm_group_read };
-    let (merged, recovered) = RingHub::open("merged", &cfg.shm, &opts).map_err(|e| setup(format!("--shm: {e}")))?;
+    let opts = WriterOptions {
+        capacity: cfg.ring_size as usize,
+        seq_base: cfg.seq_base,
+        group_read: cfg.shm_group_read,
+    };
+    let (merged, recovered) =
+        RingHub::open("merged", &cfg.shm, &opts).map_err(|e| setup(format!("--shm: {e}")))?;
     tracing::info!(path = %cfg.shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
             let path = rank_ring_path(&cfg.shm, r.rank);
-            let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts).map_err(|e| setup(format!("--shm: {e}")))?;
+            let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts)
+                .map_err(|e| setup(format!("--shm: {e}")))?;
             rank_hubs.push(hub);
         }
     }
@@ -125,7 +138,8 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
             own: rank_hubs.get(r.rank as usize).cloned(),
         })
         .collect();
-    let ingest = Ingest::start(cfg, targets, &recovered.last_upstream, &metrics).map_err(|e| setup(e.to_string()))?;
+    let ingest = Ingest::start(cfg, targets, &recovered.last_upstream, &metrics)
+        .map_err(|e| setup(e.to_string()))?;
 
     let mut hubs = vec![merged.clone()];
     hubs.extend(rank_hubs.iter().cloned());
@@ -133,8 +147,15 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     let heartbeat = ingest::spawn_heartbeat(hubs.clone(), metrics.clone(), heartbeat_stop.clone());
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let fanout = Arc::new(Fanout::new(merged.clone(), rank_hubs, metrics.clone(), cfg.max_subscribers, shutdown_rx.clone()));
-    let metrics_task = metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
+    let fanout = Arc::new(Fanout::new(
+        merged.clone(),
+        rank_hubs,
+        metrics.clone(),
+        cfg.max_subscribers,
+        shutdown_rx.clone(),
+    ));
+    let metrics_task =
+        metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
     let server = {
         let fanout = fanout.clone();
         let mut rx = shutdown_rx;

@@ -25,13 +25,21 @@ pub struct TailArgs {
 }
 
 pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
-    let mut reader = RingReader::open(&a.shm).map_err(|e| CliError::Setup(format!("--shm {}: {e}", a.shm.display())))?;
-    let target = if a.from == 0 { reader.oldest() } else { a.from + 1 };
+    let mut reader = RingReader::open(&a.shm)
+        .map_err(|e| CliError::Setup(format!("--shm {}: {e}", a.shm.display())))?;
+    let target = if a.from == 0 {
+        reader.oldest()
+    } else {
+        a.from + 1
+    };
     reader.seek(target).map_err(|e| match e {
-        SeekError::TooOld { oldest, newest, .. } => {
-            CliError::Failed(format!("--from {}: older than the retained window [{oldest}, {newest}]", a.from))
+        SeekError::TooOld { oldest, newest, .. } => CliError::Failed(format!(
+            "--from {}: older than the retained window [{oldest}, {newest}]",
+            a.from
+        )),
+        SeekError::Future { newest, .. } => {
+            CliError::Failed(format!("--from {}: ahead of newest {newest}", a.from))
         }
-        SeekError::Future { newest, .. } => CliError::Failed(format!("--from {}: ahead of newest {newest}", a.from)),
     })?;
     let printer = BatchPrinter::new();
     let mut buf = Vec::new();
@@ -49,7 +57,8 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
                 let json = printer.to_json(&buf).map_err(CliError::Failed)?;
                 let mut out = stdout.lock();
                 let r = if a.meta {
-                    let lat_us = crate::ring::unix_nanos().saturating_sub(meta.ingest_ns) as f64 / 1e3;
+                    let lat_us =
+                        crate::ring::unix_nanos().saturating_sub(meta.ingest_ns) as f64 / 1e3;
                     writeln!(
                         out,
                         "{{\"seq\":{seq},\"rank\":{},\"engineSeq\":{},\"flags\":{},\"ageUs\":{lat_us:.1},\"batch\":{json}}}",
@@ -70,14 +79,17 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
             }
             ReadOutcome::WriterGone => {
                 if !gone_reported {
-                    eprintln!("kvbridge tail: the ring's writer is gone; waiting for it to come back");
+                    eprintln!(
+                        "kvbridge tail: the ring's writer is gone; waiting for it to come back"
+                    );
                     gone_reported = true;
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
             ReadOutcome::RingReset { new_ring_id } => {
                 eprintln!("kvbridge tail: the ring was re-created (id {new_ring_id:#x}); reading it from its oldest record");
-                reader = RingReader::open(&a.shm).map_err(|e| CliError::Failed(format!("--shm {}: {e}", a.shm.display())))?;
+                reader = RingReader::open(&a.shm)
+                    .map_err(|e| CliError::Failed(format!("--shm {}: {e}", a.shm.display())))?;
             }
         }
     }

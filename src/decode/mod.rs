@@ -1,7 +1,5 @@
 //! Engine msgpack batch → SMG `KvEventBatch` protobuf bytes, in place.
 //!
-//! CONTRACT (the ingest stage codes against exactly this API; the decoder issue fills it in):
-//!
 //! ```ignore
 //! let mut dec = Decoder::new(DecodeConfig::default());
 //! let plan = dec.plan(payload)?;                  // pass 1: validate + measure, no allocation
@@ -14,8 +12,118 @@
 //! }
 //! ```
 //!
-//! Each record is a complete `smg.grpc.common.KvEventBatch` message.
-use thiserror::Error;
+//! Each record is a complete `smg.grpc.common.KvEventBatch` message, byte-identical to what
+//! prost encodes for the same message (canonical field order, minimal varints, packed repeated
+//! scalars, proto3 default elision).
+//!
+//! # How it works
+//!
+//! The decoder reads the borrowed payload with a bounds-checked msgpack reader built on
+//! `rmp::Marker` (no owned value tree, no serde, no token `Vec`s). **Pass 1** ([`Decoder::plan`])
+//! walks the whole batch once, validates every event, applies the [`Profile`], and records in
+//! reusable scratch vectors (capacity kept across batches, so steady state allocates nothing):
+//! the canonical int64 of every hash, per block the offset of its first token, its packed token
+//! byte count, the offset of its `extra_keys` entry and its `KvBlock` body length, per event the
+//! spans of its strings and the length of its fixed fields, and the cut into records.
+//! **Pass 2** ([`Decoder::write_record`]) re-walks the token and extra-key bytes at the recorded
+//! offsets and writes protobuf straight into the caller's slot, using the recorded lengths as
+//! length prefixes.
+//!
+//! Token ids are walked twice in steady state: once in pass 1, where the per-block packed sizes
+//! are measured on the way using the last seen `block_size` as a hint (a store whose size differs
+//! from the hint gets one extra measuring walk), and once in pass 2.
+//!
+//! # Accepted layouts (engine-wire.md §3–§6)
+//!
+//! * Batch: array `[ts, events]` or `[ts, events, rank]` (extra trailing elements skipped and
+//!   counted as unknown keys); a map batch keyed `ts` / `events` / `data_parallel_rank` |
+//!   `attn_dp_rank` is accepted as a counted fallback. `ts` may be float64, float32 or an int.
+//! * Events: tagged arrays and tagged maps, mixed freely, any header width. Array positions
+//!   follow engine-wire §5.1/§5.2 (`BlockStored` length 5 = TokenSpeed without `lora_id`;
+//!   position 7 is `lora_name` when str/nil and SGLang's `metadata` when a map, whose
+//!   `cache_salt` is lifted). Map keys are matched by name in any order.
+//! * Hashes (and `lora_id`, `parent_block_hash`): any int width (low 64 bits) or bin of length
+//!   ≥ 1 (last 8 bytes big-endian, zero-left-padded), carried as int64 bits.
+//! * Unknown tags, unknown keys and unknown trailing elements are skipped structurally and
+//!   counted. A known event failing validation (wrong types, missing `block_hashes` /
+//!   `token_ids` / `block_size`, a token id that is not a u32, invalid UTF-8 in a string that
+//!   is copied, more than `max_blocks_per_event` hashes) is skipped and counted; the batch goes
+//!   on. (Token values are always checked for stores forwarded with tokens, and also while the
+//!   block-size hint applies; otherwise hash-only or filtered stores get a structural check.)
+//!   Skipped or oversized `BlockRemoved`s are reported in [`BatchPlan::lost_removals`] so the
+//!   caller can signal loss in-band (engine-wire §8).
+//!
+//! # Mapping decisions
+//!
+//! * **Tier** from `medium` (case-insensitive, engine-wire §9): GPU → DEVICE, CPU/CPU_PINNED →
+//!   HOST, DISK/FS/STORAGE → DISK, OBJ/EXTERNAL → EXTERNAL; `cache_level` (each block, and the
+//!   removal) = tier − 1. Both unset when `medium` is absent or unknown; `medium` is copied raw.
+//! * **Locality** LOCAL/REMOTE (case-insensitive) → enum; other values unset and counted.
+//! * **extra_keys**, per block *i*: nil → none; str → `text`, bin → `blob`, int → `number`,
+//!   (str, int) → `multimodal`; an array of such items → one key per item (one nested level
+//!   flattened); other shapes skipped and counted (`ekeys.rs`).
+//! * **Unpairable stores** (`block_size == 0`, or `len(token_ids) != len(block_hashes) *
+//!   block_size`, e.g. vLLM's compacted hash lists) and **placeholders** (`token_ids == []`,
+//!   `block_size == 0`: offload "hashes exist in this tier"): counted separately. With
+//!   [`Profile::Smg`] the store is dropped (smg-api §5, `filtered_unpairable`). With
+//!   [`Profile::All`] it is forwarded **hash-only**: every block carries its hash, lora_id,
+//!   cache_level and extra keys but no tokens and `block_size = 0` — it never claims wrong
+//!   tokens (engine-wire §9 option 1).
+//! * **SMG filter** ([`Profile::Smg`], default), first matching reason counted: DISK/EXTERNAL
+//!   tier (stores, removals); a group whose `kv_cache_spec_kind` is not `full_attention` /
+//!   `mla_attention` / `sink_full_attention` (the kind is remembered per `group_idx` for later
+//!   events that omit it, also removals); REMOTE locality; ownership `kvcr` (case-insensitive;
+//!   stores, removals, clears); unpairable stores. A batch emptied by filtering, and a batch
+//!   with no events, plans `records == 0`.
+//! * **Empty hash lists** (a store or removal with `block_hashes == []`): nothing to do;
+//!   skipped and counted (`empty_events`).
+//! * **Event ids**: record *i*'s events get `first_event_id + k`; only emitted events (parts of
+//!   split events included) consume ids ([`Decoder::record_events`]).
+//!
+//! # Splitting
+//!
+//! Records are cut so that every record is ≤ `split_threshold` bytes **for any header** (the
+//! cut uses the worst case: 10-byte varints for sequence number, event ids and dp_rank, 5-byte
+//! length prefixes). Events
+//! are packed in order; an event that does not fit the current record starts a new one; an
+//! event that does not fit an empty record is split: a store into consecutive stores of one
+//! chain (each part's `parent_block_hash` is the previous part's last hash, all other fields
+//! repeated), a removal into consecutive removals by hash. Every part keeps the timestamp (it is
+//! a batch field). An event whose single block (or hash) cannot fit an empty record is dropped
+//! and counted (`oversized_events`). Thresholds below 4 KiB are not supported.
+//!
+//! # Bounds
+//!
+//! Payload size, events per batch and blocks per event are bounded by [`DecodeConfig`];
+//! declared counts are compared with the bytes left before anything is walked (every element
+//! takes ≥ 1 byte) and nothing is reserved by a declared length; skipping is iterative with a
+//! fixed stack of [`MAX_SKIP_DEPTH`]. Scratch memory is linear in the payload size. Malformed
+//! input yields a [`DecodeError`] (kind + byte offset), never a panic or an endless loop.
+//!
+//! # Fuzzing
+//!
+//! `fuzz/` is a cargo-fuzz crate (not a workspace member) whose target `decode` calls
+//! [`fuzz_entry`]:
+//!
+//! ```text
+//! cargo install cargo-fuzz
+//! cargo +nightly fuzz run decode                    # from the repository root
+//! cargo +nightly fuzz run decode tests/corpus/decode-malformed   # seeded with the corpus
+//! ```
+//!
+//! `tests/decode_fuzz_corpus.rs` runs the same entry point over the checked-in corpus on
+//! stable.
+mod ekeys;
+mod error;
+mod pb;
+mod plan;
+mod reader;
+mod stats;
+mod write;
+
+pub use error::{DecodeError, DecodeErrorKind};
+pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
+pub use stats::DecodeStats;
 
 /// Which events reach the SMG endpoint (smg-api.md §5 "SMG filter profile").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -31,16 +139,29 @@ pub enum Profile {
 /// Decoder settings.
 #[derive(Clone, Debug)]
 pub struct DecodeConfig {
-    /// An engine batch whose encoding would exceed this many bytes is split at event (and, for a
-    /// single huge store or removal, block/hash) boundaries into several records. < 4 MiB.
+    /// A record never exceeds this many bytes: an engine batch is split at event (and, for a
+    /// single huge store or removal, block/hash) boundaries. ≥ 4 KiB.
     pub split_threshold: usize,
     /// Filter profile.
     pub profile: Profile,
+    /// Largest accepted payload in bytes (larger → [`DecodeErrorKind::PayloadTooLarge`]).
+    /// At most `u32::MAX`.
+    pub max_payload: usize,
+    /// Most events per batch (more → [`DecodeErrorKind::TooManyEvents`]).
+    pub max_events: usize,
+    /// Most hashes per event (more → the event is skipped, counted in `too_many_blocks`).
+    pub max_blocks_per_event: usize,
 }
 
 impl Default for DecodeConfig {
     fn default() -> Self {
-        Self { split_threshold: 1 << 20, profile: Profile::Smg }
+        Self {
+            split_threshold: 1 << 20,
+            profile: Profile::Smg,
+            max_payload: 256 << 20,
+            max_events: 1 << 20,
+            max_blocks_per_event: 1 << 20,
+        }
     }
 }
 
@@ -64,63 +185,301 @@ pub struct BatchPlan {
     pub ts: f64,
     /// The batch's own rank element, when present and an int.
     pub rank: Option<i64>,
+    /// `BlockRemoved` events of this batch that were skipped as malformed or oversized (not
+    /// filtered): removals the downstream index will miss. Non-zero means the caller SHOULD
+    /// treat the batch like an unfillable gap (engine-wire §8).
+    pub lost_removals: usize,
 }
 
-/// Why a payload could not be decoded at all.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-#[error("{kind} at byte {offset}")]
-pub struct DecodeError {
-    /// What went wrong.
-    pub kind: String,
-    /// Byte offset in the payload.
-    pub offset: usize,
+/// A string in the payload.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Span {
+    off: u32,
+    len: u32,
 }
 
-/// Decoder counters (stub).
-#[derive(Debug, Default)]
-pub struct DecodeStats {}
-impl DecodeStats {
-    /// Every counter with its metric label.
-    pub fn counters(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-        std::iter::empty()
+impl Span {
+    #[inline]
+    fn get(self, buf: &[u8]) -> &[u8] {
+        &buf[self.off as usize..(self.off + self.len) as usize]
     }
 }
 
-/// The decoder (one per ingest rank; keeps reusable scratch and counters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EvKind {
+    Stored,
+    Removed,
+    Cleared,
+}
+
+/// One emitted event (before splitting).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ev {
+    kind: EvKind,
+    parent: Option<i64>,
+    tier: Option<u8>,
+    medium: Option<Span>,
+    group_idx: Option<u32>,
+    spec_kind: Option<Span>,
+    sliding: Option<u32>,
+    locality: Option<u8>,
+    ownership: Option<Span>,
+    session_id: Option<Span>,
+    lora_name: Option<Span>,
+    cache_salt: Option<Span>,
+    lora_id: Option<i64>,
+    /// Written on every block (0 = hash-only).
+    block_size: i32,
+    hash_only: bool,
+    hash_start: u32,
+    blk_start: u32,
+    /// Hashes (= blocks for stores).
+    n: u32,
+    /// Encoded bytes of the fields other than blocks+parent (stores) / hashes (removals).
+    fixed_len: u32,
+    /// Removals: Σ varint sizes of all hashes.
+    packed: u32,
+}
+
+impl Ev {
+    const EMPTY: Ev = Ev {
+        kind: EvKind::Cleared,
+        parent: None,
+        tier: None,
+        medium: None,
+        group_idx: None,
+        spec_kind: None,
+        sliding: None,
+        locality: None,
+        ownership: None,
+        session_id: None,
+        lora_name: None,
+        cache_salt: None,
+        lora_id: None,
+        block_size: 0,
+        hash_only: false,
+        hash_start: 0,
+        blk_start: 0,
+        n: 0,
+        fixed_len: 0,
+        packed: 0,
+    };
+}
+
+/// Per-block measurements of pass 1.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockInfo {
+    tok_off: u32,
+    tok_bytes: u32,
+    /// Offset of the block's `extra_keys` entry (0 = none).
+    ek_off: u32,
+    body_len: u32,
+}
+
+/// One emitted event: blocks/hashes `lo..hi` of `evs[ev]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Part {
+    ev: u32,
+    lo: u32,
+    hi: u32,
+    data_len: u32,
+}
+
+/// Parts `p0..p1` form one record.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rec {
+    p0: u32,
+    p1: u32,
+}
+
+/// The decoder (one per ingest rank; keeps reusable scratch, the per-group kind memory of the
+/// SMG filter, and counters).
 #[derive(Debug)]
 pub struct Decoder {
-    _cfg: DecodeConfig,
+    cfg: DecodeConfig,
+    stats: DecodeStats,
+    hashes: Vec<i64>,
+    blocks: Vec<BlockInfo>,
+    evs: Vec<Ev>,
+    parts: Vec<Part>,
+    recs: Vec<Rec>,
+    /// Per-block (token offset, packed bytes) measured with `bs_hint` while reading tokens.
+    chunks: Vec<(u32, u32)>,
+    /// The last pairable `block_size` (engines use one block size per group).
+    bs_hint: u32,
+    /// 0 unknown, 1 main attention, 2 other, by group_idx.
+    group_kind: Vec<u8>,
+    ts: f64,
+    payload_len: usize,
+    lost_removals: usize,
+    open: bool,
+    used: usize,
 }
 
 impl Decoder {
     /// A decoder with this configuration.
-    pub fn new(cfg: DecodeConfig) -> Self {
-        Self { _cfg: cfg }
+    pub fn new(mut cfg: DecodeConfig) -> Self {
+        cfg.max_payload = cfg.max_payload.min(u32::MAX as usize);
+        Self {
+            cfg,
+            stats: DecodeStats::default(),
+            hashes: Vec::new(),
+            blocks: Vec::new(),
+            evs: Vec::new(),
+            parts: Vec::new(),
+            recs: Vec::new(),
+            chunks: Vec::new(),
+            bs_hint: 16,
+            group_kind: Vec::new(),
+            ts: 0.0,
+            payload_len: 0,
+            lost_removals: 0,
+            open: false,
+            used: 0,
+        }
     }
+
+    /// The configuration.
+    pub fn config(&self) -> &DecodeConfig {
+        &self.cfg
+    }
+
+    /// Pass 1: validates and measures `payload`, replacing the previous plan. On error the plan
+    /// is empty (`record_len`/`write_record` must not be called) and the error is counted.
+    pub fn plan(&mut self, payload: &[u8]) -> Result<BatchPlan, DecodeError> {
+        self.hashes.clear();
+        self.blocks.clear();
+        self.evs.clear();
+        self.parts.clear();
+        self.recs.clear();
+        self.chunks.clear();
+        self.lost_removals = 0;
+        self.open = false;
+        self.used = 0;
+        self.payload_len = payload.len();
+        self.stats.batches += 1;
+        match self.plan_inner(payload) {
+            Ok(p) => {
+                self.stats.batches_ok += 1;
+                self.stats.records += self.recs.len() as u64;
+                self.stats.emitted_events += self.parts.len() as u64;
+                Ok(p)
+            }
+            Err(e) => {
+                self.recs.clear();
+                self.stats.count_error(&e.kind);
+                Err(e)
+            }
+        }
+    }
+
+    /// Encoded length of record `i` of the last plan with this header. Panics if `i` is not
+    /// below the planned `records`.
+    pub fn record_len(&self, i: usize, hdr: &RecordHeader) -> usize {
+        self.rec_len(i, hdr)
+    }
+
+    /// Number of events (event ids consumed) in record `i` of the last plan.
+    pub fn record_events(&self, i: usize) -> u64 {
+        let r = self.recs[i];
+        (r.p1 - r.p0) as u64
+    }
+
+    /// Pass 2: writes record `i` into `out[..record_len]` and returns that length.
+    ///
+    /// `payload` must be the bytes given to the last `plan`, and `hdr` the header given to
+    /// `record_len`. Panics (caller bugs) if `i` is out of range, `payload`'s length differs from
+    /// the planned one, or `out` is shorter than `record_len(i, hdr)` (index out of bounds while
+    /// writing; the part of `out` written so far is garbage then). Bytes of `out` past the
+    /// record are untouched.
+    pub fn write_record(
+        &self,
+        payload: &[u8],
+        i: usize,
+        hdr: &RecordHeader,
+        out: &mut [u8],
+    ) -> usize {
+        assert_eq!(
+            payload.len(),
+            self.payload_len,
+            "write_record: payload differs from plan"
+        );
+        // No separate length check: indexing `out` panics if it is shorter than the record.
+        let mut w = pb::W { buf: out, pos: 0 };
+        self.write_rec(payload, i, hdr, &mut w);
+        debug_assert_eq!(w.pos, self.rec_len(i, hdr));
+        w.pos
+    }
+
     /// Counters.
     pub fn stats(&self) -> &DecodeStats {
-        unimplemented!("decoder issue")
-    }
-    /// Pass 1.
-    pub fn plan(&mut self, _payload: &[u8]) -> Result<BatchPlan, DecodeError> {
-        unimplemented!("decoder issue")
-    }
-    /// Encoded length of record `i` of the last plan.
-    pub fn record_len(&self, _i: usize, _hdr: &RecordHeader) -> usize {
-        unimplemented!("decoder issue")
-    }
-    /// Number of events (event ids consumed) in record `i` of the last plan.
-    pub fn record_events(&self, _i: usize) -> u64 {
-        unimplemented!("decoder issue")
-    }
-    /// Pass 2: writes record `i` into `out` (exactly `record_len` bytes); returns bytes written.
-    pub fn write_record(&self, _payload: &[u8], _i: usize, _hdr: &RecordHeader, _out: &mut [u8]) -> usize {
-        unimplemented!("decoder issue")
+        &self.stats
     }
 }
 
 /// A synthesized batch holding one `cleared` event without `ownership` (engine restart or
-/// unfillable gap, smg-api.md §6.4). Returns the encoded length written to `out` (cleared first).
-pub fn encode_cleared(_hdr: &RecordHeader, _ts: f64, _out: &mut Vec<u8>) -> usize {
-    unimplemented!("decoder issue")
+/// unfillable gap, smg-api.md §6.4), with `event_id = hdr.first_event_id`. Clears `out`, writes
+/// the record into it and returns its length.
+pub fn encode_cleared(hdr: &RecordHeader, ts: f64, out: &mut Vec<u8>) -> usize {
+    let eid = hdr.first_event_id;
+    let ev = (if eid != 0 { 1 + pb::vlen(eid) } else { 0 }) + 2; // + `cleared {}` (22 00)
+    let len = write::batch_len(hdr, ts, pb::ld(ev));
+    out.clear();
+    out.resize(len, 0);
+    let mut w = pb::W {
+        buf: &mut out[..],
+        pos: 0,
+    };
+    write::write_head(&mut w, hdr, ts);
+    w.u8(0x1a);
+    w.varint(ev as u64);
+    if eid != 0 {
+        w.u8(0x08);
+        w.varint(eid);
+    }
+    w.u8(0x22);
+    w.u8(0x00);
+    write::write_tail(&mut w, hdr);
+    debug_assert_eq!(w.pos, len);
+    len
+}
+
+/// Fuzz / robustness entry point: plans `data` under both profiles and two thresholds, writes
+/// every record, and checks that each has exactly `record_len` bytes, is within the threshold,
+/// decodes with prost, and re-encodes with prost to the same bytes. Panics on any violation.
+#[doc(hidden)]
+pub fn fuzz_entry(data: &[u8]) {
+    use prost::Message;
+    for (profile, thr) in [
+        (Profile::All, 4096),
+        (Profile::Smg, 1 << 20),
+        (Profile::All, 1 << 20),
+    ] {
+        let mut dec = Decoder::new(DecodeConfig {
+            split_threshold: thr,
+            profile,
+            max_events: 4096,
+            max_blocks_per_event: 1 << 16,
+            ..DecodeConfig::default()
+        });
+        let Ok(plan) = dec.plan(data) else { continue };
+        let mut eid = 1u64;
+        for i in 0..plan.records {
+            let hdr = RecordHeader {
+                sequence_number: i as u64 + 1,
+                first_event_id: eid,
+                dp_rank: plan.rank.map(|r| r as i32),
+            };
+            let len = dec.record_len(i, &hdr);
+            assert!(len <= thr, "record {i} has {len} bytes > threshold {thr}");
+            let mut out = vec![0xAAu8; len + 3];
+            assert_eq!(dec.write_record(data, i, &hdr, &mut out), len);
+            assert_eq!(&out[len..], &[0xAA; 3], "write past record_len");
+            let msg = crate::proto::common::KvEventBatch::decode(&out[..len])
+                .expect("record decodes with prost");
+            assert_eq!(msg.events.len() as u64, dec.record_events(i));
+            assert_eq!(msg.encode_to_vec(), &out[..len], "record is not canonical");
+            eid += dec.record_events(i);
+        }
+    }
 }

@@ -86,7 +86,14 @@ impl Fanout {
         max_subscribers: usize,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
-        Fanout { merged, ranks, metrics, max_subscribers, active: AtomicUsize::new(0), shutdown }
+        Fanout {
+            merged,
+            ranks,
+            metrics,
+            max_subscribers,
+            active: AtomicUsize::new(0),
+            shutdown,
+        }
     }
 
     /// Number of open subscriptions.
@@ -95,7 +102,10 @@ impl Fanout {
     }
 
     fn status(&self, s: Status) -> Status {
-        self.metrics.statuses.with_label_values(&[code_label(s.code())]).inc();
+        self.metrics
+            .statuses
+            .with_label_values(&[code_label(s.code())])
+            .inc();
         s
     }
 
@@ -108,7 +118,9 @@ impl Fanout {
         rank_header: Option<&[u8]>,
     ) -> Result<Subscription, Status> {
         if *self.shutdown.borrow() {
-            return Err(self.status(Status::unavailable("kvbridge is shutting down; resubscribe with the same cursor")));
+            return Err(self.status(Status::unavailable(
+                "kvbridge is shutting down; resubscribe with the same cursor",
+            )));
         }
         let hub = match rank_header {
             None => self.merged.clone(),
@@ -116,23 +128,37 @@ impl Fanout {
                 let r: usize = std::str::from_utf8(raw)
                     .ok()
                     .and_then(|s| s.trim().parse().ok())
-                    .ok_or_else(|| self.status(Status::invalid_argument(format!("{DP_RANK_HEADER} must be a rank number"))))?;
+                    .ok_or_else(|| {
+                        self.status(Status::invalid_argument(format!(
+                            "{DP_RANK_HEADER} must be a rank number"
+                        )))
+                    })?;
                 if self.ranks.is_empty() {
                     return Err(self.status(Status::not_found(format!(
                         "{DP_RANK_HEADER}: per-rank streams are off (start kvbridge with --dp-mode metadata)"
                     ))));
                 }
                 self.ranks.get(r).cloned().ok_or_else(|| {
-                    self.status(Status::not_found(format!("{DP_RANK_HEADER}: no rank {r} (this bridge has {})", self.ranks.len())))
+                    self.status(Status::not_found(format!(
+                        "{DP_RANK_HEADER}: no rank {r} (this bridge has {})",
+                        self.ranks.len()
+                    )))
                 })?
             }
         };
         // Admission: count first, then check, so concurrent subscribes cannot overshoot.
         let n = self.active.fetch_add(1, Ordering::AcqRel) + 1;
-        let mut guard = ActiveGuard { fanout: self.clone(), path, gauge: false };
+        let mut guard = ActiveGuard {
+            fanout: self.clone(),
+            path,
+            gauge: false,
+        };
         if n > self.max_subscribers {
             drop(guard);
-            self.metrics.resumes.with_label_values(&["rejected_limit"]).inc();
+            self.metrics
+                .resumes
+                .with_label_values(&["rejected_limit"])
+                .inc();
             return Err(self.status(Status::resource_exhausted(format!(
                 "subscriber limit {} reached; retry later",
                 self.max_subscribers
@@ -147,15 +173,24 @@ impl Fanout {
             self.metrics.resumes.with_label_values(&["fresh"]).inc();
             o
         } else if start > n {
-            self.metrics.resumes.with_label_values(&["out_of_range_future"]).inc();
+            self.metrics
+                .resumes
+                .with_label_values(&["out_of_range_future"])
+                .inc();
             return Err(self.status(Status::out_of_range(format!(
                 "start_sequence_number {start} is ahead of newest {n}: ring reset or different source; resubscribe from 0"
             ))));
         } else if start.saturating_add(1) < o {
-            self.metrics.resumes.with_label_values(&["out_of_range_old"]).inc();
+            self.metrics
+                .resumes
+                .with_label_values(&["out_of_range_old"])
+                .inc();
             return Err(self.status(too_old(start, o, n)));
         } else {
-            self.metrics.resumes.with_label_values(&[if start == n { "at_head" } else { "in_window" }]).inc();
+            self.metrics
+                .resumes
+                .with_label_values(&[if start == n { "at_head" } else { "in_window" }])
+                .inc();
             start + 1
         };
         match reader.seek(next) {
@@ -215,7 +250,11 @@ impl Drop for ActiveGuard {
     fn drop(&mut self) {
         self.fanout.active.fetch_sub(1, Ordering::AcqRel);
         if self.gauge {
-            self.fanout.metrics.subscribers.with_label_values(&[self.path]).dec();
+            self.fanout
+                .metrics
+                .subscribers
+                .with_label_values(&[self.path])
+                .dec();
         }
     }
 }
@@ -250,7 +289,9 @@ impl Subscription {
     async fn next_inner(&mut self) -> Result<EncodedBatch, Status> {
         loop {
             if *self.shutdown.borrow() {
-                return Err(Status::unavailable("kvbridge is shutting down; resubscribe with the same cursor"));
+                return Err(Status::unavailable(
+                    "kvbridge is shutting down; resubscribe with the same cursor",
+                ));
             }
             if let Some(b) = self.hub.cached(self.next) {
                 self.next += 1;
@@ -284,7 +325,9 @@ impl Subscription {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
                 ReadOutcome::RingReset { .. } | ReadOutcome::WriterGone => {
-                    return Err(Status::unavailable("ring writer restarted; resubscribe with the same cursor"));
+                    return Err(Status::unavailable(
+                        "ring writer restarted; resubscribe with the same cursor",
+                    ));
                 }
             }
         }

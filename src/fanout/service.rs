@@ -21,7 +21,10 @@ mod generated {
         include!(concat!(env!("OUT_DIR"), "/server/vllm.grpc.engine.rs"));
     }
     pub mod tokenspeed {
-        include!(concat!(env!("OUT_DIR"), "/server/tokenspeed.grpc.scheduler.rs"));
+        include!(concat!(
+            env!("OUT_DIR"),
+            "/server/tokenspeed.grpc.scheduler.rs"
+        ));
     }
     pub mod trtllm {
         include!(concat!(env!("OUT_DIR"), "/server/trtllm.rs"));
@@ -40,8 +43,14 @@ pub struct PathHandler {
 }
 
 impl PathHandler {
-    fn open(&self, req: Request<SubscribeKvEventsRequest>) -> Result<Response<BatchStream>, Status> {
-        let rank = req.metadata().get(DP_RANK_HEADER).map(|v| v.as_bytes().to_vec());
+    fn open(
+        &self,
+        req: Request<SubscribeKvEventsRequest>,
+    ) -> Result<Response<BatchStream>, Status> {
+        let rank = req
+            .metadata()
+            .get(DP_RANK_HEADER)
+            .map(|v| v.as_bytes().to_vec());
         let start = req.get_ref().start_sequence_number;
         let sub = self.fanout.subscribe(self.path, start, rank.as_deref())?;
         tracing::debug!(path = self.path, start, "subscription opened");
@@ -59,7 +68,10 @@ impl PathHandler {
                         let _ = &latency;
                     }
                     Err(s) => {
-                        metrics.statuses.with_label_values(&[code_label(s.code())]).inc();
+                        metrics
+                            .statuses
+                            .with_label_values(&[code_label(s.code())])
+                            .inc();
                         if s.code() == tonic::Code::DataLoss {
                             metrics.resumes.with_label_values(&["data_loss"]).inc();
                         }
@@ -94,15 +106,24 @@ impl_path!(trtllm::trtllm_service_server::TrtllmService);
 
 /// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically.
 pub fn router(fanout: Arc<Fanout>) -> tonic::transport::server::Router {
-    let h = |path: &'static str| PathHandler { fanout: fanout.clone(), path };
+    let h = |path: &'static str| PathHandler {
+        fanout: fanout.clone(),
+        path,
+    };
     let p = crate::proto::SUBSCRIBE_PATHS;
     // Records are kept under 4 MiB by the decoder's split threshold; the encode limit is left
     // at tonic's default (unlimited) so a limit here can never turn a valid record into an error.
     server_builder()
-        .add_service(sglang::sglang_scheduler_server::SglangSchedulerServer::new(h(p[0])))
+        .add_service(sglang::sglang_scheduler_server::SglangSchedulerServer::new(
+            h(p[0]),
+        ))
         .add_service(vllm::vllm_engine_server::VllmEngineServer::new(h(p[1])))
-        .add_service(tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer::new(h(p[2])))
-        .add_service(trtllm::trtllm_service_server::TrtllmServiceServer::new(h(p[3])))
+        .add_service(
+            tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer::new(h(p[2])),
+        )
+        .add_service(trtllm::trtllm_service_server::TrtllmServiceServer::new(h(
+            p[3],
+        )))
 }
 
 /// Transport settings: SMG pings every 30 s even when idle, so pings are accepted (tonic does not
@@ -122,5 +143,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    router(fanout).serve_with_incoming_shutdown(incoming, shutdown).await
+    router(fanout)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
 }

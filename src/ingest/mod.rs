@@ -113,8 +113,17 @@ impl Ingest {
     }
 }
 
-fn open_sub(ctx: &zmq::Context, rank: &RankEndpoint, topic: &[u8]) -> Result<zmq::Socket, IngestError> {
-    let err = |what, source| IngestError::Socket { rank: rank.rank, what, endpoint: rank.endpoint.clone(), source };
+fn open_sub(
+    ctx: &zmq::Context,
+    rank: &RankEndpoint,
+    topic: &[u8],
+) -> Result<zmq::Socket, IngestError> {
+    let err = |what, source| IngestError::Socket {
+        rank: rank.rank,
+        what,
+        endpoint: rank.endpoint.clone(),
+        source,
+    };
     let sub = ctx.socket(zmq::SUB).map_err(|e| err("create SUB", e))?;
     // engine-wire.md §1: the engine's PUB drops silently when our pipe is full.
     sub.set_rcvhwm(100_000).map_err(|e| err("set RCVHWM", e))?;
@@ -143,7 +152,10 @@ struct RankWorker {
 
 /// Receives one multipart message into reusable buffers; returns the frame count (frames past
 /// the third are received into a scratch message and only counted). `Ok(None)`: nothing ready.
-fn recv_message(sock: &zmq::Socket, bufs: &mut [zmq::Message; 3]) -> Result<Option<usize>, zmq::Error> {
+fn recv_message(
+    sock: &zmq::Socket,
+    bufs: &mut [zmq::Message; 3],
+) -> Result<Option<usize>, zmq::Error> {
     let mut n = 0;
     let mut extra = zmq::Message::new();
     loop {
@@ -165,10 +177,22 @@ impl RankWorker {
         tracing::info!(rank = self.rank.rank, endpoint = %self.rank.endpoint, bind = self.rank.bind,
             replay = ?self.rank.replay, "ingest started");
         if let Some(ep) = self.rank.replay.clone() {
-            let mut rep = ZmqReplay::new(&self.ctx, &ep, &self.sub, &self.topic, self.replay_timeout, &self.stop, &self.m);
+            let mut rep = ZmqReplay::new(
+                &self.ctx,
+                &ep,
+                &self.sub,
+                &self.topic,
+                self.replay_timeout,
+                &self.stop,
+                &self.m,
+            );
             self.state.catch_up(&mut self.sink, &mut rep);
         }
-        let mut bufs = [zmq::Message::new(), zmq::Message::new(), zmq::Message::new()];
+        let mut bufs = [
+            zmq::Message::new(),
+            zmq::Message::new(),
+            zmq::Message::new(),
+        ];
         while !self.stop.load(Ordering::Relaxed) {
             match self.sub.poll(zmq::POLLIN, 100) {
                 Ok(0) => continue,
@@ -190,19 +214,35 @@ impl RankWorker {
                     }
                 };
                 let frames: [&[u8]; 3] = [&bufs[0], &bufs[1], &bufs[2]];
-                let seq = match wire::live_seq(&frames[..n.min(3)], &self.topic).and_then(|s| if n > 3 { Err(wire::Drop::FrameCount) } else { Ok(s) }) {
+                let seq = match wire::live_seq(&frames[..n.min(3)], &self.topic).and_then(|s| {
+                    if n > 3 {
+                        Err(wire::Drop::FrameCount)
+                    } else {
+                        Ok(s)
+                    }
+                }) {
                     Ok(s) => s,
                     Err(d) => {
                         self.m.frame_dropped(d.label());
-                        self.sink.warn_limited(d.label(), "dropped a malformed ZMQ message");
+                        self.sink
+                            .warn_limited(d.label(), "dropped a malformed ZMQ message");
                         continue;
                     }
                 };
                 let payload: &[u8] = &bufs[2];
                 match &self.rank.replay {
                     Some(ep) => {
-                        let mut rep = ZmqReplay::new(&self.ctx, ep, &self.sub, &self.topic, self.replay_timeout, &self.stop, &self.m);
-                        self.state.on_live(seq, payload, &mut self.sink, Some(&mut rep));
+                        let mut rep = ZmqReplay::new(
+                            &self.ctx,
+                            ep,
+                            &self.sub,
+                            &self.topic,
+                            self.replay_timeout,
+                            &self.stop,
+                            &self.m,
+                        );
+                        self.state
+                            .on_live(seq, payload, &mut self.sink, Some(&mut rep));
                     }
                     None => self.state.on_live(seq, payload, &mut self.sink, None),
                 }
@@ -236,7 +276,15 @@ impl<'a> ZmqReplay<'a> {
         stop: &'a AtomicBool,
         m: &'a RankMetrics,
     ) -> Self {
-        ZmqReplay { ctx, endpoint, sub, topic, timeout, stop, m }
+        ZmqReplay {
+            ctx,
+            endpoint,
+            sub,
+            topic,
+            timeout,
+            stop,
+            m,
+        }
     }
 
     fn drain_live(&self, live: &mut dyn FnMut(u64, Vec<u8>)) {
@@ -256,7 +304,12 @@ impl<'a> ZmqReplay<'a> {
 }
 
 impl ReplaySource for ZmqReplay<'_> {
-    fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), live: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd {
+    fn replay(
+        &mut self,
+        from: u64,
+        batch: &mut dyn FnMut(u64, &[u8]),
+        live: &mut dyn FnMut(u64, Vec<u8>),
+    ) -> ReplayEnd {
         let dealer = match self.ctx.socket(zmq::DEALER).and_then(|d| {
             d.set_linger(0)?;
             d.set_ipv6(true)?;
@@ -286,7 +339,10 @@ impl ReplaySource for ZmqReplay<'_> {
                 return ReplayEnd::TimedOut;
             }
             let wait = (deadline - now).min(Duration::from_millis(100)).as_millis() as i64;
-            let mut items = [dealer.as_poll_item(zmq::POLLIN), self.sub.as_poll_item(zmq::POLLIN)];
+            let mut items = [
+                dealer.as_poll_item(zmq::POLLIN),
+                self.sub.as_poll_item(zmq::POLLIN),
+            ];
             if zmq::poll(&mut items, wait.max(1)).is_err() {
                 continue;
             }
@@ -325,7 +381,13 @@ pub struct RingSink {
 }
 
 impl RingSink {
-    fn new(rank: u32, decoder: Decoder, targets: Targets, m: RankMetrics, metrics: Arc<Metrics>) -> Self {
+    fn new(
+        rank: u32,
+        decoder: Decoder,
+        targets: Targets,
+        m: RankMetrics,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         RingSink {
             rank,
             decoder,
@@ -340,7 +402,10 @@ impl RingSink {
     /// Logs at most one warning per kind every 10 s, with the count suppressed meanwhile.
     fn warn_limited(&mut self, kind: &'static str, msg: &str) {
         let now = Instant::now();
-        let e = self.warned.entry(kind).or_insert((now - Duration::from_secs(3600), 0));
+        let e = self
+            .warned
+            .entry(kind)
+            .or_insert((now - Duration::from_secs(3600), 0));
         if now.duration_since(e.0) >= Duration::from_secs(10) {
             tracing::warn!(rank = self.rank, kind, suppressed = e.1, "{msg}");
             *e = (now, 0);
@@ -384,6 +449,15 @@ impl Sink for RingSink {
                 return;
             }
         };
+        if plan.lost_removals > 0 {
+            // A removal the index will never see leaves a stale block that routes requests to
+            // a worker that no longer holds it: reset this rank's state before the batch.
+            self.warn_limited(
+                "lost_removal",
+                "a BlockRemoved could not be decoded; signalling a clear",
+            );
+            self.clear(seq, ClearCause::LostRemoval);
+        }
         let batch_rank = match plan.rank {
             Some(r) => {
                 if r != self.rank as i64 {
@@ -393,15 +467,27 @@ impl Sink for RingSink {
             }
             None => self.rank as i32,
         };
-        let meta = RecordMeta { dp_rank: self.rank, upstream_seq: seq, flags: 0, ingest_ns: unix_nanos() };
-        let targets: Vec<(Arc<RingHub>, bool)> = self.ring_targets().map(|(h, s)| (h.clone(), s)).collect();
+        let meta = RecordMeta {
+            dp_rank: self.rank,
+            upstream_seq: seq,
+            flags: 0,
+            ingest_ns: unix_nanos(),
+        };
+        let targets: Vec<(Arc<RingHub>, bool)> =
+            self.ring_targets().map(|(h, s)| (h.clone(), s)).collect();
         for (hub, sends_rank) in targets {
             let dp_rank = sends_rank.then_some(batch_rank);
             match hub.publish_batch(&self.decoder, &plan, payload, dp_rank, meta) {
                 Ok(p) => {
                     let l = [hub.label()];
-                    self.metrics.ring_records.with_label_values(&l).inc_by(p.records as u64);
-                    self.metrics.ring_bytes.with_label_values(&l).inc_by(p.bytes as u64);
+                    self.metrics
+                        .ring_records
+                        .with_label_values(&l)
+                        .inc_by(p.records as u64);
+                    self.metrics
+                        .ring_bytes
+                        .with_label_values(&l)
+                        .inc_by(p.bytes as u64);
                 }
                 Err(e) => {
                     let msg = format!("ring {} write failed: {e}", hub.label());
@@ -413,8 +499,14 @@ impl Sink for RingSink {
 
     fn clear(&mut self, upstream_seq: u64, cause: ClearCause) {
         self.m.clear(cause.label());
-        tracing::warn!(rank = self.rank, upstream_seq, cause = cause.label(), "signalling a cleared cache in band");
-        let targets: Vec<(Arc<RingHub>, bool)> = self.ring_targets().map(|(h, s)| (h.clone(), s)).collect();
+        tracing::warn!(
+            rank = self.rank,
+            upstream_seq,
+            cause = cause.label(),
+            "signalling a cleared cache in band"
+        );
+        let targets: Vec<(Arc<RingHub>, bool)> =
+            self.ring_targets().map(|(h, s)| (h.clone(), s)).collect();
         for (hub, sends_rank) in targets {
             let dp_rank = sends_rank.then_some(self.rank as i32);
             if let Err(e) = hub.publish_clear(dp_rank, self.rank, upstream_seq, cause) {
@@ -425,7 +517,11 @@ impl Sink for RingSink {
 }
 
 /// Keeps every ring's heartbeat fresh and its gauges current, until `stop`.
-pub fn spawn_heartbeat(hubs: Vec<Arc<RingHub>>, metrics: Arc<Metrics>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+pub fn spawn_heartbeat(
+    hubs: Vec<Arc<RingHub>>,
+    metrics: Arc<Metrics>,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<()> {
     std::thread::Builder::new()
         .name("ring-heartbeat".into())
         .spawn(move || {
@@ -433,8 +529,14 @@ pub fn spawn_heartbeat(hubs: Vec<Arc<RingHub>>, metrics: Arc<Metrics>, stop: Arc
                 for h in &hubs {
                     h.heartbeat();
                     let (o, n) = h.window();
-                    metrics.ring_oldest.with_label_values(&[h.label()]).set(o as i64);
-                    metrics.ring_newest.with_label_values(&[h.label()]).set(n as i64);
+                    metrics
+                        .ring_oldest
+                        .with_label_values(&[h.label()])
+                        .set(o as i64);
+                    metrics
+                        .ring_newest
+                        .with_label_values(&[h.label()])
+                        .set(n as i64);
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }

@@ -48,7 +48,12 @@ pub trait Sink {
 pub trait ReplaySource {
     /// Asks for every buffered batch with seq ≥ `from`. Replayed batches go to `batch` in arrival
     /// order; live batches that arrive meanwhile go to `live`.
-    fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), live: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd;
+    fn replay(
+        &mut self,
+        from: u64,
+        batch: &mut dyn FnMut(u64, &[u8]),
+        live: &mut dyn FnMut(u64, Vec<u8>),
+    ) -> ReplayEnd;
 }
 
 /// Limits of the state machine.
@@ -62,7 +67,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { replay_attempts: 3, live_buffer: 100_000 }
+        Limits {
+            replay_attempts: 3,
+            live_buffer: 100_000,
+        }
     }
 }
 
@@ -78,7 +86,11 @@ impl RankState {
     /// holds for the rank), or starts fresh.
     pub fn new(last: Option<u64>, limits: Limits, metrics: RankMetrics) -> Self {
         let pos = last.map_or(Pos::Fresh, Pos::Last);
-        RankState { pos, limits, m: metrics }
+        RankState {
+            pos,
+            limits,
+            m: metrics,
+        }
     }
 
     /// Current position.
@@ -97,11 +109,24 @@ impl RankState {
     }
 
     /// Handles one live batch.
-    pub fn on_live(&mut self, s: u64, payload: &[u8], sink: &mut dyn Sink, rep: Option<&mut dyn ReplaySource>) {
+    pub fn on_live(
+        &mut self,
+        s: u64,
+        payload: &[u8],
+        sink: &mut dyn Sink,
+        rep: Option<&mut dyn ReplaySource>,
+    ) {
         self.step(s, payload, sink, rep, true)
     }
 
-    fn step(&mut self, s: u64, payload: &[u8], sink: &mut dyn Sink, rep: Option<&mut dyn ReplaySource>, may_replay: bool) {
+    fn step(
+        &mut self,
+        s: u64,
+        payload: &[u8],
+        sink: &mut dyn Sink,
+        rep: Option<&mut dyn ReplaySource>,
+        may_replay: bool,
+    ) {
         match self.pos {
             Pos::AcceptAny => self.apply(s, payload, sink),
             Pos::Fresh if s == 0 => self.apply(s, payload, sink),
@@ -153,7 +178,9 @@ impl RankState {
         mut rep: Option<&mut dyn ReplaySource>,
         catch_up: bool,
     ) {
-        let Some(source) = rep.as_deref_mut() else { return };
+        let Some(source) = rep.as_deref_mut() else {
+            return;
+        };
         let mut overflow = false;
         let mut want = from;
         let mut attempt = 0;
@@ -178,7 +205,8 @@ impl RankState {
                         };
                         if rs > expected {
                             // The engine no longer has (or never had: burned seqs) what we asked for.
-                            this.m.replay(if first { "history_missing" } else { "hole" });
+                            this.m
+                                .replay(if first { "history_missing" } else { "hole" });
                             this.clear(sink, rs, ClearCause::MissingHistory);
                         }
                         first = false;
@@ -201,7 +229,11 @@ impl RankState {
                 }
                 ReplayEnd::Aborted => return,
                 ReplayEnd::TimedOut | ReplayEnd::Malformed => {
-                    self.m.replay(if end == ReplayEnd::TimedOut { "timed_out" } else { "malformed" });
+                    self.m.replay(if end == ReplayEnd::TimedOut {
+                        "timed_out"
+                    } else {
+                        "malformed"
+                    });
                     if attempt >= self.limits.replay_attempts {
                         // On start-up catch-up, a silent replay endpoint only means we cannot
                         // prove what we missed; the live stream's first batch decides.
@@ -248,7 +280,8 @@ mod tests {
     struct Rec(Vec<String>);
     impl Sink for Rec {
         fn apply(&mut self, seq: u64, payload: &[u8]) {
-            self.0.push(format!("{seq}:{}", String::from_utf8_lossy(payload)));
+            self.0
+                .push(format!("{seq}:{}", String::from_utf8_lossy(payload)));
         }
         fn clear(&mut self, _s: u64, cause: ClearCause) {
             self.0.push(format!("clear:{}", cause.label()));
@@ -263,7 +296,12 @@ mod tests {
         requests: Vec<u64>,
     }
     impl ReplaySource for Engine {
-        fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), live: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd {
+        fn replay(
+            &mut self,
+            from: u64,
+            batch: &mut dyn FnMut(u64, &[u8]),
+            live: &mut dyn FnMut(u64, Vec<u8>),
+        ) -> ReplayEnd {
             self.requests.push(from);
             for s in std::mem::take(&mut self.live) {
                 live(s, b"l".to_vec());
@@ -314,7 +352,12 @@ mod tests {
         st.on_live(0, b"a", &mut sink, None);
         // Live 4 arrives after a drop of 1..=3; meanwhile 5 and 6 arrive live, and the replay
         // returns 1..=5 (overlapping live 4 and 5).
-        let mut eng = Engine { have: vec![0, 1, 2, 3, 4, 5], end: ReplayEnd::Complete, live: vec![5, 6], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![0, 1, 2, 3, 4, 5],
+            end: ReplayEnd::Complete,
+            live: vec![5, 6],
+            requests: vec![],
+        };
         st.on_live(4, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [1]);
         assert_eq!(sink.0, ["0:a", "1:r", "2:r", "3:r", "4:r", "5:r", "6:l"]);
@@ -324,7 +367,12 @@ mod tests {
     fn missing_history_clears_before_the_first_replayed_batch() {
         let mut st = state(Some(10));
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![20, 21], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![20, 21],
+            end: ReplayEnd::Complete,
+            live: vec![],
+            requests: vec![],
+        };
         st.on_live(22, b"l", &mut sink, Some(&mut eng));
         assert_eq!(sink.0, ["clear:missing_history", "20:r", "21:r", "22:l"]);
     }
@@ -333,7 +381,12 @@ mod tests {
     fn burned_seq_inside_replay_is_a_hole() {
         let mut st = state(Some(0));
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![1, 3], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![1, 3],
+            end: ReplayEnd::Complete,
+            live: vec![],
+            requests: vec![],
+        };
         st.on_live(4, b"l", &mut sink, Some(&mut eng));
         assert_eq!(sink.0, ["1:r", "clear:missing_history", "3:r", "4:l"]);
     }
@@ -342,7 +395,12 @@ mod tests {
     fn timed_out_replay_retries_then_gives_up_in_band() {
         let mut st = state(Some(0));
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![], end: ReplayEnd::TimedOut, live: vec![], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![],
+            end: ReplayEnd::TimedOut,
+            live: vec![],
+            requests: vec![],
+        };
         st.on_live(3, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [1, 1, 1]);
         assert_eq!(sink.0, ["clear:unfillable_gap", "3:l"]);
@@ -353,7 +411,12 @@ mod tests {
         // First attempt returns 1,2 and no end marker; the second returns the rest.
         struct Trunc(u32, Vec<u64>);
         impl ReplaySource for Trunc {
-            fn replay(&mut self, from: u64, batch: &mut dyn FnMut(u64, &[u8]), _l: &mut dyn FnMut(u64, Vec<u8>)) -> ReplayEnd {
+            fn replay(
+                &mut self,
+                from: u64,
+                batch: &mut dyn FnMut(u64, &[u8]),
+                _l: &mut dyn FnMut(u64, Vec<u8>),
+            ) -> ReplayEnd {
                 self.0 += 1;
                 self.1.push(from);
                 if self.0 == 1 {
@@ -380,7 +443,12 @@ mod tests {
     fn slow_joiner_replays_from_zero() {
         let mut st = state(None);
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![0, 1], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![0, 1],
+            end: ReplayEnd::Complete,
+            live: vec![],
+            requests: vec![],
+        };
         st.on_live(2, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [0]);
         assert_eq!(sink.0, ["0:r", "1:r", "2:l"]);
@@ -390,14 +458,24 @@ mod tests {
     fn catch_up_on_connect_asks_after_what_the_ring_holds() {
         let mut st = state(Some(7));
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![6, 7, 8, 9], end: ReplayEnd::Complete, live: vec![], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![6, 7, 8, 9],
+            end: ReplayEnd::Complete,
+            live: vec![],
+            requests: vec![],
+        };
         st.catch_up(&mut sink, &mut eng);
         assert_eq!(eng.requests, [8]);
         assert_eq!(sink.0, ["8:r", "9:r"]);
         // A silent replay endpoint at start-up is not itself a loss.
         let mut st = state(None);
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![], end: ReplayEnd::TimedOut, live: vec![], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![],
+            end: ReplayEnd::TimedOut,
+            live: vec![],
+            requests: vec![],
+        };
         st.catch_up(&mut sink, &mut eng);
         assert!(sink.0.is_empty());
         assert_eq!(st.pos(), Pos::Fresh);
@@ -405,9 +483,21 @@ mod tests {
 
     #[test]
     fn live_overflow_fails_the_replay_in_band() {
-        let mut st = RankState::new(Some(0), Limits { replay_attempts: 1, live_buffer: 2 }, Metrics::new().rank(0));
+        let mut st = RankState::new(
+            Some(0),
+            Limits {
+                replay_attempts: 1,
+                live_buffer: 2,
+            },
+            Metrics::new().rank(0),
+        );
         let mut sink = Rec::default();
-        let mut eng = Engine { have: vec![1, 2], end: ReplayEnd::Complete, live: vec![4, 5, 6], requests: vec![] };
+        let mut eng = Engine {
+            have: vec![1, 2],
+            end: ReplayEnd::Complete,
+            live: vec![4, 5, 6],
+            requests: vec![],
+        };
         st.on_live(3, b"l", &mut sink, Some(&mut eng));
         assert_eq!(sink.0, ["1:r", "2:r", "clear:replay_overflow"]);
         assert_eq!(st.pos(), Pos::AcceptAny);

@@ -24,7 +24,9 @@ impl Drop {
 
 /// Validates a live message `[topic, seq(8, BE), payload]`; returns its seq.
 pub fn live_seq(frames: &[&[u8]], topic: &[u8]) -> Result<u64, Drop> {
-    let [t, seq, _payload] = frames else { return Err(Drop::FrameCount) };
+    let [t, seq, _payload] = frames else {
+        return Err(Drop::FrameCount);
+    };
     let seq: [u8; 8] = (*seq).try_into().map_err(|_| Drop::SeqLength)?;
     if !topic.is_empty() && *t != topic {
         return Err(Drop::Topic);
@@ -51,7 +53,9 @@ pub fn replay_reply<'a>(frames: &[&'a [u8]]) -> Result<Reply<'a>, &'static str> 
     if !delim.is_empty() {
         return Err("replay reply without the empty delimiter frame");
     }
-    let seq: [u8; 8] = seq.try_into().map_err(|_| "replay reply seq is not 8 bytes")?;
+    let seq: [u8; 8] = seq
+        .try_into()
+        .map_err(|_| "replay reply seq is not 8 bytes")?;
     let seq = u64::from_be_bytes(seq);
     if seq == u64::MAX {
         return Ok(Reply::End);
@@ -71,7 +75,10 @@ mod tests {
         assert_eq!(live_seq(&[b"kv-2", &seq, b"x"], b"kv"), Err(Drop::Topic));
         assert_eq!(live_seq(&[b"kv", &seq, b"x"], b"kv"), Ok(7));
         assert_eq!(live_seq(&[b"", &seq], b""), Err(Drop::FrameCount));
-        assert_eq!(live_seq(&[b"", &seq, b"x", b"y"], b""), Err(Drop::FrameCount));
+        assert_eq!(
+            live_seq(&[b"", &seq, b"x", b"y"], b""),
+            Err(Drop::FrameCount)
+        );
         assert_eq!(live_seq(&[b"", &seq[..7], b"x"], b""), Err(Drop::SeqLength));
         assert_eq!(live_seq(&[b"", &[0u8; 9], b"x"], b""), Err(Drop::SeqLength));
     }
@@ -81,7 +88,10 @@ mod tests {
         let seq = 3u64.to_be_bytes();
         let end = u64::MAX.to_be_bytes();
         assert_eq!(replay_reply(&[b"", &seq, b"p"]), Ok(Reply::Batch(3, b"p")));
-        assert_eq!(replay_reply(&[b"", b"kv", &seq, b"p"]), Ok(Reply::Batch(3, b"p")));
+        assert_eq!(
+            replay_reply(&[b"", b"kv", &seq, b"p"]),
+            Ok(Reply::Batch(3, b"p"))
+        );
         assert_eq!(replay_reply(&[b"", &end, b""]), Ok(Reply::End));
         assert_eq!(replay_reply(&[b"", b"", &end, b""]), Ok(Reply::End));
         assert!(replay_reply(&[b"x", &seq, b"p"]).is_err());

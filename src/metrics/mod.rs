@@ -8,8 +8,8 @@
 use std::net::SocketAddr;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -88,29 +88,97 @@ impl Metrics {
         .expect("histogram");
         r.register(Box::new(record_size.clone())).expect("unique");
         let send_latency = HistogramVec::new(
-            HistogramOpts::new("send_latency_seconds", "Ingest to transport hand-off, per subscriber batch")
-                .buckets(prometheus::exponential_buckets(5e-6, 2.5, 14).expect("buckets")),
+            HistogramOpts::new(
+                "send_latency_seconds",
+                "Ingest to transport hand-off, per subscriber batch",
+            )
+            .buckets(prometheus::exponential_buckets(5e-6, 2.5, 14).expect("buckets")),
             &["path"],
         )
         .expect("histogram");
         r.register(Box::new(send_latency.clone())).expect("unique");
-        let batches_sent = IntCounter::new("batches_sent_total", "Batches sent to subscribers").expect("metric");
+        let batches_sent =
+            IntCounter::new("batches_sent_total", "Batches sent to subscribers").expect("metric");
         r.register(Box::new(batches_sent.clone())).expect("unique");
-        let bytes_sent = IntCounter::new("bytes_sent_total", "Encoded batch bytes sent to subscribers").expect("metric");
+        let bytes_sent = IntCounter::new(
+            "bytes_sent_total",
+            "Encoded batch bytes sent to subscribers",
+        )
+        .expect("metric");
         r.register(Box::new(bytes_sent.clone())).expect("unique");
         Metrics {
-            batches_received: counter(&r, "batches_received_total", "Engine batches received", &["rank"]),
-            frames_dropped: counter(&r, "frames_dropped_total", "ZMQ messages dropped before decoding", &["rank", "reason"]),
-            upstream_gaps: counter(&r, "upstream_gaps_total", "Engine sequence gaps detected", &["rank"]),
-            replays: counter(&r, "replays_total", "Replay requests by outcome", &["rank", "outcome"]),
-            replayed_batches: counter(&r, "replayed_batches_total", "Batches recovered by replay", &["rank"]),
-            engine_restarts: counter(&r, "engine_restarts_total", "Engine restarts detected", &["rank"]),
-            synthesized_clears: counter(&r, "synthesized_clears_total", "In-band cleared events", &["rank", "cause"]),
-            decode_errors: counter(&r, "decode_errors_total", "Batches that could not be decoded", &["rank"]),
-            duplicates_dropped: counter(&r, "duplicates_dropped_total", "Duplicate batches dropped", &["rank"]),
-            rank_mismatch: counter(&r, "rank_mismatch_total", "Batches whose rank differs from the socket's", &["rank"]),
-            last_upstream_seq: gauge(&r, "last_upstream_seq", "Last engine sequence applied", &["rank"]),
-            decoder: gauge(&r, "decoder_events", "Decoder counters by kind", &["rank", "kind"]),
+            batches_received: counter(
+                &r,
+                "batches_received_total",
+                "Engine batches received",
+                &["rank"],
+            ),
+            frames_dropped: counter(
+                &r,
+                "frames_dropped_total",
+                "ZMQ messages dropped before decoding",
+                &["rank", "reason"],
+            ),
+            upstream_gaps: counter(
+                &r,
+                "upstream_gaps_total",
+                "Engine sequence gaps detected",
+                &["rank"],
+            ),
+            replays: counter(
+                &r,
+                "replays_total",
+                "Replay requests by outcome",
+                &["rank", "outcome"],
+            ),
+            replayed_batches: counter(
+                &r,
+                "replayed_batches_total",
+                "Batches recovered by replay",
+                &["rank"],
+            ),
+            engine_restarts: counter(
+                &r,
+                "engine_restarts_total",
+                "Engine restarts detected",
+                &["rank"],
+            ),
+            synthesized_clears: counter(
+                &r,
+                "synthesized_clears_total",
+                "In-band cleared events",
+                &["rank", "cause"],
+            ),
+            decode_errors: counter(
+                &r,
+                "decode_errors_total",
+                "Batches that could not be decoded",
+                &["rank"],
+            ),
+            duplicates_dropped: counter(
+                &r,
+                "duplicates_dropped_total",
+                "Duplicate batches dropped",
+                &["rank"],
+            ),
+            rank_mismatch: counter(
+                &r,
+                "rank_mismatch_total",
+                "Batches whose rank differs from the socket's",
+                &["rank"],
+            ),
+            last_upstream_seq: gauge(
+                &r,
+                "last_upstream_seq",
+                "Last engine sequence applied",
+                &["rank"],
+            ),
+            decoder: gauge(
+                &r,
+                "decoder_events",
+                "Decoder counters by kind",
+                &["rank", "kind"],
+            ),
             ring_records: counter(&r, "ring_records_total", "Records written", &["ring"]),
             ring_bytes: counter(&r, "ring_bytes_total", "Record bytes written", &["ring"]),
             ring_oldest: gauge(&r, "ring_oldest_seq", "Oldest retained sequence", &["ring"]),
@@ -119,7 +187,12 @@ impl Metrics {
             subscribers: gauge(&r, "subscribers", "Current subscribers", &["path"]),
             batches_sent,
             bytes_sent,
-            resumes: counter(&r, "subscribe_outcomes_total", "Subscribe requests by outcome", &["outcome"]),
+            resumes: counter(
+                &r,
+                "subscribe_outcomes_total",
+                "Subscribe requests by outcome",
+                &["outcome"],
+            ),
             statuses: counter(&r, "statuses_total", "gRPC statuses emitted", &["code"]),
             send_latency,
             registry: r,
@@ -129,7 +202,9 @@ impl Metrics {
     /// The metrics page in the Prometheus text format.
     pub fn render(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 * 1024);
-        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding");
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding");
         out
     }
 
@@ -191,34 +266,47 @@ pub struct RankMetrics {
 impl RankMetrics {
     /// Counts a message dropped before decoding.
     pub fn frame_dropped(&self, reason: &str) {
-        self.frames_dropped.with_label_values(&[self.label.as_str(), reason]).inc();
+        self.frames_dropped
+            .with_label_values(&[self.label.as_str(), reason])
+            .inc();
     }
     /// Counts a replay outcome (`requested`, `succeeded`, `history_missing`, `timed_out`, …).
     pub fn replay(&self, outcome: &str) {
-        self.replays.with_label_values(&[self.label.as_str(), outcome]).inc();
+        self.replays
+            .with_label_values(&[self.label.as_str(), outcome])
+            .inc();
     }
     /// Counts a synthesized clear.
     pub fn clear(&self, cause: &str) {
-        self.clears.with_label_values(&[self.label.as_str(), cause]).inc();
+        self.clears
+            .with_label_values(&[self.label.as_str(), cause])
+            .inc();
     }
     /// Sets a decoder counter.
     pub fn decoder_set(&self, kind: &str, value: u64) {
-        self.decoder.with_label_values(&[self.label.as_str(), kind]).set(value as i64);
+        self.decoder
+            .with_label_values(&[self.label.as_str(), kind])
+            .set(value as i64);
     }
 }
 
 /// Serves the metrics page on `addr` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>) {
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
         let m = metrics.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
             // Read the request head (one read is enough for a GET from Prometheus or curl).
-            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
+            let n =
+                match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf))
+                    .await
+                {
+                    Ok(Ok(n)) => n,
+                    _ => return,
+                };
             let head = String::from_utf8_lossy(&buf[..n]);
             let path = head.split_whitespace().nth(1).unwrap_or("/");
             let (status, ctype, body) = if path.starts_with("/metrics") || path == "/" {

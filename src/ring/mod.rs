@@ -40,6 +40,8 @@ pub enum ClearCause {
     Undecodable = 4,
     /// Live batches overflowed the buffer kept during a replay.
     ReplayOverflow = 5,
+    /// A `BlockRemoved` could not be decoded: the index would keep a stale block.
+    LostRemoval = 6,
 }
 
 impl ClearCause {
@@ -51,6 +53,7 @@ impl ClearCause {
             ClearCause::MissingHistory => "missing_history",
             ClearCause::Undecodable => "undecodable",
             ClearCause::ReplayOverflow => "replay_overflow",
+            ClearCause::LostRemoval => "lost_removal",
         }
     }
 }
@@ -90,7 +93,9 @@ impl RecentCache {
         }
         self.bytes += b.len();
         self.items.push_back(b);
-        while self.items.len() > CACHE_MAX_ITEMS || (self.bytes > CACHE_MAX_BYTES && self.items.len() > 1) {
+        while self.items.len() > CACHE_MAX_ITEMS
+            || (self.bytes > CACHE_MAX_BYTES && self.items.len() > 1)
+        {
             if let Some(old) = self.items.pop_front() {
                 self.bytes -= old.len();
                 self.first_seq += 1;
@@ -138,12 +143,22 @@ pub struct Recovered {
 
 impl RingHub {
     /// Opens (adopting) or creates the ring at `path`.
-    pub fn open(label: &str, path: &Path, opts: &WriterOptions) -> Result<(Arc<Self>, Recovered), RingError> {
-        let err = |source| RingError::Open { path: path.display().to_string(), source };
+    pub fn open(
+        label: &str,
+        path: &Path,
+        opts: &WriterOptions,
+    ) -> Result<(Arc<Self>, Recovered), RingError> {
+        let err = |source| RingError::Open {
+            path: path.display().to_string(),
+            source,
+        };
         let writer = RingWriter::open(path, opts).map_err(err)?;
         let reader = RingReader::open(path).map_err(err)?;
         let adopted = writer.adopted();
-        let mut recovered = Recovered { adopted, ..Default::default() };
+        let mut recovered = Recovered {
+            adopted,
+            ..Default::default()
+        };
         let mut next_event_id = 1;
         if adopted {
             // Continue event ids after the newest record, and learn each rank's last upstream
@@ -158,9 +173,13 @@ impl RingHub {
                             continue;
                         }
                         if meta.flags & FLAG_SYNTHESIZED == 0 {
-                            recovered.last_upstream.insert(meta.dp_rank, meta.upstream_seq);
+                            recovered
+                                .last_upstream
+                                .insert(meta.dp_rank, meta.upstream_seq);
                         }
-                        if let Ok(batch) = crate::proto::common::KvEventBatch::decode(buf.as_slice()) {
+                        if let Ok(batch) =
+                            crate::proto::common::KvEventBatch::decode(buf.as_slice())
+                        {
                             if let Some(max) = batch.events.iter().map(|e| e.event_id).max() {
                                 next_event_id = next_event_id.max(max + 1);
                             }
@@ -174,9 +193,16 @@ impl RingHub {
         let newest = writer.newest();
         let hub = Arc::new(RingHub {
             label: label.to_string(),
-            writer: Mutex::new(WriterState { writer, next_event_id }),
+            writer: Mutex::new(WriterState {
+                writer,
+                next_event_id,
+            }),
             reader,
-            cache: RwLock::new(RecentCache { first_seq: 0, items: VecDeque::new(), bytes: 0 }),
+            cache: RwLock::new(RecentCache {
+                first_seq: 0,
+                items: VecDeque::new(),
+                bytes: 0,
+            }),
             newest: AtomicU64::new(newest),
             notify: tokio::sync::Notify::new(),
         });
@@ -200,7 +226,11 @@ impl RingHub {
         let mut out = Published::default();
         let mut st = self.writer.lock();
         for i in 0..plan.records {
-            let hdr = RecordHeader { sequence_number: st.writer.next_seq(), first_event_id: st.next_event_id, dp_rank };
+            let hdr = RecordHeader {
+                sequence_number: st.writer.next_seq(),
+                first_event_id: st.next_event_id,
+                dp_rank,
+            };
             let len = dec.record_len(i, &hdr);
             let mut slot = st.writer.reserve(len)?;
             let written = dec.write_record(payload, i, &hdr, slot.buf());
@@ -222,10 +252,20 @@ impl RingHub {
     }
 
     /// Publishes a synthesized batch with one `cleared` event (engine restart, unfillable gap).
-    pub fn publish_clear(&self, dp_rank: Option<i32>, rank: u32, upstream_seq: u64, cause: ClearCause) -> Result<u64, RingError> {
+    pub fn publish_clear(
+        &self,
+        dp_rank: Option<i32>,
+        rank: u32,
+        upstream_seq: u64,
+        cause: ClearCause,
+    ) -> Result<u64, RingError> {
         let mut buf = Vec::with_capacity(32);
         let mut st = self.writer.lock();
-        let hdr = RecordHeader { sequence_number: st.writer.next_seq(), first_event_id: st.next_event_id, dp_rank };
+        let hdr = RecordHeader {
+            sequence_number: st.writer.next_seq(),
+            first_event_id: st.next_event_id,
+            dp_rank,
+        };
         let len = decode::encode_cleared(&hdr, unix_seconds(), &mut buf);
         let mut slot = st.writer.reserve(len)?;
         slot.buf().copy_from_slice(&buf[..len]);
@@ -289,12 +329,18 @@ impl RingHub {
 
 /// Wall clock in seconds (timestamps of synthesized batches).
 pub fn unix_seconds() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Wall clock in nanoseconds (record ingest time).
 pub fn unix_nanos() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -303,7 +349,11 @@ mod tests {
 
     #[test]
     fn cache_indexes_by_seq_and_evicts() {
-        let mut c = RecentCache { first_seq: 0, items: VecDeque::new(), bytes: 0 };
+        let mut c = RecentCache {
+            first_seq: 0,
+            items: VecDeque::new(),
+            bytes: 0,
+        };
         for s in 10..10 + CACHE_MAX_ITEMS as u64 + 5 {
             c.push(s, Bytes::from(s.to_le_bytes().to_vec()));
         }

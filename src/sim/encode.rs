@@ -64,7 +64,10 @@ impl Layout {
     ];
 
     fn signed_hashes(self) -> bool {
-        matches!(self, Layout::Vllm090 | Layout::Sglang0519 | Layout::Sglang0523)
+        matches!(
+            self,
+            Layout::Vllm090 | Layout::Sglang0519 | Layout::Sglang0523
+        )
     }
 }
 
@@ -141,7 +144,16 @@ fn event(o: &mut Vec<u8>, layout: Layout, e: &SimEvent) {
             enc::write_array_len(o, 1).expect("vec write");
             key(o, "AllBlocksCleared");
         }
-        (Vllm033, SimEvent::Stored { hashes: hs, parent: p, tokens: t, block_size, medium }) => {
+        (
+            Vllm033,
+            SimEvent::Stored {
+                hashes: hs,
+                parent: p,
+                tokens: t,
+                block_size,
+                medium,
+            },
+        ) => {
             // vLLM 0.33 sizes the header for all 16 possible keys: map16 with 8 entries.
             o.extend_from_slice(&[0xde, 0x00, 0x09]);
             key(o, "type");
@@ -163,7 +175,16 @@ fn event(o: &mut Vec<u8>, layout: Layout, e: &SimEvent) {
             key(o, "kv_cache_spec_kind");
             key(o, "full_attention");
         }
-        (Sglang0523, SimEvent::Stored { hashes: hs, parent: p, tokens: t, block_size, medium }) => {
+        (
+            Sglang0523,
+            SimEvent::Stored {
+                hashes: hs,
+                parent: p,
+                tokens: t,
+                block_size,
+                medium,
+            },
+        ) => {
             enc::write_map_len(o, if medium.is_some() { 7 } else { 6 }).expect("vec write");
             key(o, "type");
             key(o, "BlockStored");
@@ -191,7 +212,16 @@ fn event(o: &mut Vec<u8>, layout: Layout, e: &SimEvent) {
             key(o, "medium");
             opt_str(o, medium);
         }
-        (TokenSpeed, SimEvent::Stored { hashes: hs, parent: p, tokens: t, block_size, .. }) => {
+        (
+            TokenSpeed,
+            SimEvent::Stored {
+                hashes: hs,
+                parent: p,
+                tokens: t,
+                block_size,
+                ..
+            },
+        ) => {
             enc::write_array_len(o, 5).expect("vec write");
             key(o, "BlockStored");
             hashes(o, layout, hs);
@@ -214,7 +244,16 @@ fn event(o: &mut Vec<u8>, layout: Layout, e: &SimEvent) {
                 enc::write_uint(o, 0).expect("vec write");
             }
         }
-        (_, SimEvent::Stored { hashes: hs, parent: p, tokens: t, block_size, medium }) => {
+        (
+            _,
+            SimEvent::Stored {
+                hashes: hs,
+                parent: p,
+                tokens: t,
+                block_size,
+                medium,
+            },
+        ) => {
             let len = match layout {
                 Vllm090 => 6,
                 Vllm0102 | Sglang0519 => 7,

@@ -30,7 +30,12 @@ pub struct EnginePublisher {
 
 impl EnginePublisher {
     /// Binds a PUB at `endpoint` and, optionally, a replay ROUTER at `replay` (as engines do).
-    pub fn bind(ctx: &zmq::Context, endpoint: &str, replay: Option<&str>, topic: &str) -> Result<Self, zmq::Error> {
+    pub fn bind(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        replay: Option<&str>,
+        topic: &str,
+    ) -> Result<Self, zmq::Error> {
         let publisher = ctx.socket(zmq::PUB)?;
         publisher.set_sndhwm(100_000)?;
         publisher.set_linger(0)?;
@@ -58,12 +63,19 @@ impl EnginePublisher {
 
     /// The actual endpoint the PUB bound (resolves port 0).
     pub fn endpoint(&self) -> String {
-        self.publisher.get_last_endpoint().ok().and_then(|r| r.ok()).unwrap_or_default()
+        self.publisher
+            .get_last_endpoint()
+            .ok()
+            .and_then(|r| r.ok())
+            .unwrap_or_default()
     }
 
     /// The actual endpoint of the replay ROUTER.
     pub fn replay_endpoint(&self) -> Option<String> {
-        self.router.as_ref().and_then(|r| r.get_last_endpoint().ok()).and_then(|r| r.ok())
+        self.router
+            .as_ref()
+            .and_then(|r| r.get_last_endpoint().ok())
+            .and_then(|r| r.ok())
     }
 
     /// The seq the next batch gets.
@@ -98,7 +110,9 @@ impl EnginePublisher {
         self.seq += 1;
         if send {
             let s = seq.to_be_bytes();
-            let _ = self.publisher.send_multipart([&self.topic[..], &s[..], &payload[..]], 0);
+            let _ = self
+                .publisher
+                .send_multipart([&self.topic[..], &s[..], &payload[..]], 0);
         }
         if self.router.is_some() {
             self.buffer.push_back((seq, payload));
@@ -122,8 +136,13 @@ impl EnginePublisher {
         let mut answered = 0;
         while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
             // identity + 2 frames, else never answered (as the engines do).
-            let [id, delim, start] = frames.as_slice() else { continue };
-            let (true, Ok(start)) = (delim.is_empty(), <[u8; 8]>::try_from(start.as_slice())) else { continue };
+            let [id, delim, start] = frames.as_slice() else {
+                continue;
+            };
+            let (true, Ok(start)) = (delim.is_empty(), <[u8; 8]>::try_from(start.as_slice()))
+            else {
+                continue;
+            };
             let start = u64::from_be_bytes(start);
             for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
                 let s = seq.to_be_bytes();
@@ -152,7 +171,11 @@ pub struct Rng(u64);
 impl Rng {
     /// Seeded generator (seed 0 is replaced by a constant).
     pub fn new(seed: u64) -> Self {
-        Rng(if seed == 0 { 0x9E37_79B9_7F4A_7C15 } else { seed })
+        Rng(if seed == 0 {
+            0x9E37_79B9_7F4A_7C15
+        } else {
+            seed
+        })
     }
     /// Next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
@@ -192,7 +215,14 @@ pub struct Workload {
 impl Workload {
     /// A vLLM-like mix with block size 16.
     pub fn new(seed: u64) -> Self {
-        Workload { rng: Rng::new(seed), block_size: 16, max_prefill_blocks: 400, live: VecDeque::new(), p_prefill: 0.3, p_clear: 0.0005 }
+        Workload {
+            rng: Rng::new(seed),
+            block_size: 16,
+            max_prefill_blocks: 400,
+            live: VecDeque::new(),
+            p_prefill: 0.3,
+            p_clear: 0.0005,
+        }
     }
 
     fn new_hash(&mut self) -> u64 {
@@ -200,11 +230,23 @@ impl Workload {
     }
 
     fn store(&mut self, blocks: usize) -> SimEvent {
-        let parent = if self.rng.chance(0.7) { self.live.back().copied() } else { None };
+        let parent = if self.rng.chance(0.7) {
+            self.live.back().copied()
+        } else {
+            None
+        };
         let hashes: Vec<u64> = (0..blocks).map(|_| self.new_hash()).collect();
-        let tokens: Vec<u32> = (0..blocks * self.block_size).map(|_| self.rng.range(1, 151_000) as u32).collect();
+        let tokens: Vec<u32> = (0..blocks * self.block_size)
+            .map(|_| self.rng.range(1, 151_000) as u32)
+            .collect();
         self.live.extend(hashes.iter().copied());
-        SimEvent::Stored { hashes, parent, tokens, block_size: self.block_size as u32, medium: Some("GPU".into()) }
+        SimEvent::Stored {
+            hashes,
+            parent,
+            tokens,
+            block_size: self.block_size as u32,
+            medium: Some("GPU".into()),
+        }
     }
 
     /// The events of one scheduler step.
@@ -218,7 +260,13 @@ impl Workload {
             // Prefill lengths are skewed small: most prompts are short, a few are long.
             let r = self.rng.next_u64() % 100;
             let max = self.max_prefill_blocks as u64;
-            let blocks = if r < 70 { self.rng.range(1, 8.min(max)) } else if r < 95 { self.rng.range(1, 64.min(max)) } else { self.rng.range(1, max) };
+            let blocks = if r < 70 {
+                self.rng.range(1, 8.min(max))
+            } else if r < 95 {
+                self.rng.range(1, 64.min(max))
+            } else {
+                self.rng.range(1, max)
+            };
             ev.push(self.store(blocks as usize));
         }
         // Decode steps fill blocks one at a time.
@@ -231,7 +279,10 @@ impl Workload {
             let n = self.rng.range(1, 16);
             for _ in 0..n {
                 if let Some(h) = self.live.pop_front() {
-                    ev.push(SimEvent::Removed { hashes: vec![h], medium: Some("GPU".into()) });
+                    ev.push(SimEvent::Removed {
+                        hashes: vec![h],
+                        medium: Some("GPU".into()),
+                    });
                 }
             }
             if self.live.len() <= 20_000 {

@@ -14,7 +14,11 @@ use kvbridge::sim::{encode_batch, EnginePublisher, Layout, SimEvent, Workload};
 
 /// A free TCP port on loopback (bound and released).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 type Job = Box<dyn FnOnce(&mut EnginePublisher) + Send>;
@@ -39,7 +43,8 @@ impl Engine {
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = std::thread::spawn(move || {
             let ctx = zmq::Context::new();
-            let mut p = EnginePublisher::bind(&ctx, &ep, Some(&rp), "").expect("bind engine sockets");
+            let mut p =
+                EnginePublisher::bind(&ctx, &ep, Some(&rp), "").expect("bind engine sockets");
             ready_tx.send(()).unwrap();
             loop {
                 match rx.recv_timeout(Duration::from_millis(1)) {
@@ -51,13 +56,23 @@ impl Engine {
             }
         });
         ready_rx.recv().unwrap();
-        Engine { tx, endpoint, replay, thread: Some(thread) }
+        Engine {
+            tx,
+            endpoint,
+            replay,
+            thread: Some(thread),
+        }
     }
 
     /// Runs `f` on the engine thread and returns its result.
-    pub fn with<R: Send + 'static>(&self, f: impl FnOnce(&mut EnginePublisher) -> R + Send + 'static) -> R {
+    pub fn with<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut EnginePublisher) -> R + Send + 'static,
+    ) -> R {
         let (tx, rx) = mpsc::channel();
-        self.tx.send(Box::new(move |p| tx.send(f(p)).unwrap())).unwrap();
+        self.tx
+            .send(Box::new(move |p| tx.send(f(p)).unwrap()))
+            .unwrap();
         rx.recv().unwrap()
     }
 
@@ -79,9 +94,19 @@ impl Drop for Engine {
 
 /// A store of `blocks` fresh blocks (16 tokens each) chained to `parent`.
 pub fn store(seed: u64, blocks: usize, parent: Option<u64>) -> SimEvent {
-    let hashes = (0..blocks as u64).map(|i| seed.wrapping_mul(1_000_003).wrapping_add(i + 1)).collect();
-    let tokens = (0..blocks * 16).map(|i| ((seed as usize * 31 + i) % 150_000) as u32 + 1).collect();
-    SimEvent::Stored { hashes, parent, tokens, block_size: 16, medium: Some("GPU".into()) }
+    let hashes = (0..blocks as u64)
+        .map(|i| seed.wrapping_mul(1_000_003).wrapping_add(i + 1))
+        .collect();
+    let tokens = (0..blocks * 16)
+        .map(|i| ((seed as usize * 31 + i) % 150_000) as u32 + 1)
+        .collect();
+    SimEvent::Stored {
+        hashes,
+        parent,
+        tokens,
+        block_size: 16,
+        medium: Some("GPU".into()),
+    }
 }
 
 /// The real binary, running `serve`.
@@ -102,7 +127,13 @@ impl Bridge {
     /// waits until gRPC accepts connections.
     pub fn start(dir: &Path, shm: &Path, extra: &[String]) -> Bridge {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut args: Vec<String> = vec!["serve".into(), "--grpc".into(), grpc.to_string(), "--shm".into(), shm.display().to_string()];
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--grpc".into(),
+            grpc.to_string(),
+            "--shm".into(),
+            shm.display().to_string(),
+        ];
         args.extend(["--metrics".to_string(), "off".to_string()]);
         args.extend(extra.iter().cloned());
         Self::start_args(dir, grpc, shm, args)
@@ -110,7 +141,11 @@ impl Bridge {
 
     pub fn start_args(dir: &Path, grpc: SocketAddr, shm: &Path, args: Vec<String>) -> Bridge {
         let stderr_log = dir.join(format!("bridge-{}.log", grpc.port()));
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&stderr_log).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&stderr_log)
+            .unwrap();
         let child = Command::new(bin())
             .args(&args)
             .env("RUST_LOG", "info")
@@ -118,7 +153,13 @@ impl Bridge {
             .stderr(log)
             .spawn()
             .expect("spawn kvbridge");
-        let b = Bridge { child, grpc, shm: shm.to_owned(), args, stderr_log };
+        let b = Bridge {
+            child,
+            grpc,
+            shm: shm.to_owned(),
+            args,
+            stderr_log,
+        };
         b.wait_ready();
         b
     }
@@ -175,11 +216,19 @@ impl Drop for Bridge {
 }
 
 /// A tonic subscriber on the vLLM path.
-pub async fn subscribe(url: &str, start: u64) -> Result<tonic::Streaming<KvEventBatch>, tonic::Status> {
-    let mut c = VllmEngineClient::connect(url.to_string()).await.expect("connect");
-    c.subscribe_kv_events(SubscribeKvEventsRequest { start_sequence_number: start, load_records_before_first_batch: true })
+pub async fn subscribe(
+    url: &str,
+    start: u64,
+) -> Result<tonic::Streaming<KvEventBatch>, tonic::Status> {
+    let mut c = VllmEngineClient::connect(url.to_string())
         .await
-        .map(|r| r.into_inner())
+        .expect("connect");
+    c.subscribe_kv_events(SubscribeKvEventsRequest {
+        start_sequence_number: start,
+        load_records_before_first_batch: true,
+    })
+    .await
+    .map(|r| r.into_inner())
 }
 
 /// Reads batches until `pred` holds for the collected list or `timeout` passes.
@@ -207,7 +256,12 @@ pub fn stored_hashes(batches: &[KvEventBatch]) -> Vec<u64> {
         .iter()
         .flat_map(|b| b.events.iter())
         .filter_map(|e| match &e.data {
-            Some(Data::Stored(s)) => Some(s.blocks.iter().map(|b| b.block_hash as u64).collect::<Vec<_>>()),
+            Some(Data::Stored(s)) => Some(
+                s.blocks
+                    .iter()
+                    .map(|b| b.block_hash as u64)
+                    .collect::<Vec<_>>(),
+            ),
             _ => None,
         })
         .flatten()
@@ -216,15 +270,26 @@ pub fn stored_hashes(batches: &[KvEventBatch]) -> Vec<u64> {
 
 /// Number of `cleared` events in a batch list.
 pub fn clears(batches: &[KvEventBatch]) -> usize {
-    batches.iter().flat_map(|b| b.events.iter()).filter(|e| matches!(e.data, Some(Data::Cleared(_)))).count()
+    batches
+        .iter()
+        .flat_map(|b| b.events.iter())
+        .filter(|e| matches!(e.data, Some(Data::Cleared(_))))
+        .count()
 }
 
 /// Asserts sequence numbers are contiguous.
 pub fn assert_contiguous(batches: &[KvEventBatch]) {
     for w in batches.windows(2) {
-        assert_eq!(w[1].sequence_number, w[0].sequence_number + 1, "hole or duplicate");
+        assert_eq!(
+            w[1].sequence_number,
+            w[0].sequence_number + 1,
+            "hole or duplicate"
+        );
     }
-    assert!(batches.iter().all(|b| b.sequence_number > 0), "sequence 0 sent");
+    assert!(
+        batches.iter().all(|b| b.sequence_number > 0),
+        "sequence 0 sent"
+    );
 }
 
 /// Every layout in turn.
