@@ -509,3 +509,47 @@ fn map_batch_fallback_and_trailing() {
     assert_eq!((plan.records, plan.rank, plan.ts), (0, None, 2.5));
     assert_eq!(d.stats().trailing_bytes, 1);
 }
+
+#[test]
+fn token_values_are_validated_on_both_walks() {
+    // n blocks of bs tokens with one bad token value (negative / > u32::MAX)
+    fn store(n: u32, bs: u32, bad: &[u8]) -> Vec<u8> {
+        let mut b = B::default();
+        b.batch(1).arr(5).s("BlockStored").arr(n);
+        for i in 0..n {
+            b.u(i as u64 + 1);
+        }
+        b.nil().arr(n * bs);
+        for i in 0..n * bs - 1 {
+            b.u(i as u64);
+        }
+        b.raw(bad).u(bs as u64);
+        b.0
+    }
+    for bad in [&[0xff][..], &[0xd0, 0x80], &[0xcf, 1, 0, 0, 0, 0, 0, 0, 0]] {
+        // 2 × 16 tokens: measured while reading (hint 16)
+        let mut d = smg();
+        assert_eq!(d.plan(&store(2, 16, bad)).unwrap().records, 0);
+        assert_eq!(
+            (d.stats().malformed_events, d.stats().stored_events),
+            (1, 0)
+        );
+        // 3 × 5 tokens: not a multiple of the hint, caught by the measuring walk
+        let mut d = smg();
+        assert_eq!(d.plan(&store(3, 5, bad)).unwrap().records, 0);
+        assert_eq!(
+            (d.stats().malformed_events, d.stats().stored_events),
+            (1, 0)
+        );
+        // a good store afterwards still decodes (scratch rolled back)
+        let good = store(3, 5, &[0x05]);
+        assert_eq!(records(&mut d, &good)[0].events.len(), 1);
+    }
+    // non-negative signed markers are accepted as token ids
+    let mut d = smg();
+    let r = records(&mut d, &store(1, 2, &[0xd3, 0, 0, 0, 0, 0, 0, 0, 9]));
+    let Some(Data::Stored(s)) = &r[0].events[0].data else {
+        panic!()
+    };
+    assert_eq!(s.blocks[0].token_ids, vec![0, 9]);
+}

@@ -61,8 +61,32 @@ fn vectors_through_fuzz_entry() {
 
 #[test]
 fn mutated_vectors() {
-    let vs = vectors();
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    mutate(20_000, 0x9E37_79B9_7F4A_7C15);
+}
+
+/// A longer campaign: `DECODE_MUTATIONS=3000000 cargo test --release --test
+/// decode_fuzz_corpus -- --ignored`.
+#[test]
+#[ignore]
+fn mutated_vectors_long() {
+    let n = std::env::var("DECODE_MUTATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    mutate(n, 0xD1B5_4A32_D192_ED03);
+}
+
+fn mutate(iterations: u32, seed: u64) {
+    let mut vs = vectors();
+    // also mutate the corpus seeds (huge headers, deep nesting, …)
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/corpus/decode-malformed");
+    for e in std::fs::read_dir(dir).unwrap() {
+        let d = std::fs::read(e.unwrap().path()).unwrap();
+        if !d.is_empty() {
+            vs.push(d);
+        }
+    }
+    let mut rng = seed;
     let mut next = move || {
         rng ^= rng << 13;
         rng ^= rng >> 7;
@@ -71,7 +95,7 @@ fn mutated_vectors() {
     };
     let mut planned = 0;
     let mut dec = Decoder::new(DecodeConfig::default());
-    for _ in 0..20_000 {
+    for _ in 0..iterations {
         let mut v = vs[(next() % vs.len() as u64) as usize].clone();
         for _ in 0..1 + next() % 4 {
             let i = (next() % v.len() as u64) as usize;
@@ -90,7 +114,7 @@ fn mutated_vectors() {
         fuzz_entry(&v);
         planned += dec.plan(&v).is_ok() as u32;
     }
-    assert!(planned > 2_000, "{planned}");
+    assert!(planned > iterations / 20, "{planned}");
     assert!(
         dec.stats().malformed_events + dec.stats().unknown_tags > 100,
         "{:?}",

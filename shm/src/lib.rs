@@ -1,143 +1,88 @@
-//! STUB: the API contract of the shm issue; replaced by the real crate on merge.
-#![allow(unused_variables, missing_docs)]
-use std::path::Path;
-use std::time::Duration;
+//! # kvbridge-shm: one writer, many read-only readers, one file in `/dev/shm`
+//!
+//! kvbridge turns an inference engine's KV-cache events into numbered
+//! batches. Two kinds of consumers want them:
+//!
+//! * co-located processes, which should read a batch straight from memory,
+//!   microseconds after ingest, without a socket and without a copy;
+//! * the gRPC fan-out, which needs a *retained window* so that a client
+//!   reconnecting with `start_sequence_number` resumes exactly where it was.
+//!
+//! One ring in shared memory serves both. The design borrows from Aeron's
+//! broadcast buffer (a writer that never waits, readers that detect being
+//! lapped with a "tail intent" counter), the LMAX Disruptor (sequence
+//! numbers, cache-line-separated cursors) and iceoryx2 (shared-memory file
+//! ownership, liveness). `LAYOUT.md` next to this crate is the byte-level
+//! spec, precise enough for a C or Python reader.
+//!
+//! ## Why it is built this way
+//!
+//! * **The writer never blocks on readers.** Ingest must not stall because a
+//!   subscriber is slow. So the writer simply overwrites; a reader that falls
+//!   a full ring behind learns it was lapped ([`ReadOutcome::Lapped`]) and
+//!   the gRPC layer turns that into `DATA_LOSS`. Silent skipping is the one
+//!   thing the protocol rules out.
+//! * **Readers cannot corrupt the ring.** They map the file `PROT_READ`. The
+//!   only thing they write is a waiter count in a separate 4 KiB side file
+//!   (`<ring>.wake`), because a futex sleeper must announce itself and a
+//!   read-only mapping cannot (see `LAYOUT.md`, "Waiting").
+//! * **Zero copy, but never a torn record.** A [`RecordView`] points into the
+//!   mapping. Its header was validated against the overwrite horizon; the
+//!   payload is re-validated by [`RecordView::is_intact`] after the consumer
+//!   used it (seqlock / Aeron style).
+//! * **Numbers that survive restarts.** A restarted writer adopts the ring
+//!   and continues at N + 1; a ring that must be re-created starts above any
+//!   number an old client could hold (H + 2, or Unix µs), so an old cursor is
+//!   classified as "too old" rather than landing in a different history
+//!   (`smg-api.md` §6.1).
+//! * **One writer, enforced by the kernel.** `flock(LOCK_EX)` on the ring
+//!   file; the kernel releases it when the writer dies, even by SIGKILL.
+//! * **Proved, not hoped.** The publish / read / lap protocol lives in
+//!   [`protocol`] over an atomics shim, so `tests/loom.rs` model-checks the
+//!   very code the file-backed ring runs.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use kvbridge_shm::*;
+//! use std::{path::Path, time::Duration};
+//! let path = Path::new("/dev/shm/kvbridge-doc.ring");
+//! let mut w = RingWriter::open(path, &WriterOptions { capacity: 1 << 20, ..Default::default() })?;
+//! let mut res = w.reserve(5)?;
+//! res.buf().copy_from_slice(b"hello");
+//! res.commit(RecordMeta { dp_rank: 0, upstream_seq: 7, flags: 0, ingest_ns: 0 });
+//!
+//! let mut r = RingReader::open(path)?;
+//! if let ReadOutcome::Record(v) = r.next_blocking(Duration::from_millis(10)) {
+//!     let mut copy = Vec::new();
+//!     assert!(v.copy_to(&mut copy));
+//! }
+//! # Ok::<(), ShmError>(())
+//! ```
 
-#[derive(Debug, thiserror::Error)]
-pub enum ShmError {
-    #[error("stub")]
-    Stub,
-    #[error("record of {len} bytes is larger than the ring's maximum {max}")]
-    RecordTooLarge { len: usize, max: usize },
-}
-#[derive(Debug, thiserror::Error)]
-pub enum SeekError {
-    #[error("too old")]
-    TooOld {
-        requested: u64,
-        oldest: u64,
-        newest: u64,
-    },
-    #[error("future")]
-    Future { requested: u64, newest: u64 },
-}
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RecordMeta {
-    pub dp_rank: u32,
-    pub upstream_seq: u64,
-    pub flags: u32,
-    pub ingest_ns: u64,
-}
-#[derive(Clone, Debug)]
-pub struct WriterOptions {
-    pub capacity: usize,
-    pub seq_base: Option<u64>,
-    pub group_read: bool,
-}
-impl Default for WriterOptions {
-    fn default() -> Self {
-        Self {
-            capacity: 64 << 20,
-            seq_base: None,
-            group_read: false,
-        }
-    }
-}
-pub struct RingWriter;
-impl RingWriter {
-    pub fn open(path: &Path, opts: &WriterOptions) -> Result<RingWriter, ShmError> {
-        unimplemented!()
-    }
-    pub fn ring_id(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn adopted(&self) -> bool {
-        unimplemented!()
-    }
-    pub fn next_seq(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn oldest(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn newest(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn max_record_len(&self) -> usize {
-        unimplemented!()
-    }
-    pub fn reserve(&mut self, len: usize) -> Result<Reservation<'_>, ShmError> {
-        unimplemented!()
-    }
-    pub fn heartbeat(&self) {
-        unimplemented!()
-    }
-}
-pub struct Reservation<'a>(&'a mut [u8]);
-impl Reservation<'_> {
-    pub fn seq(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn buf(&mut self) -> &mut [u8] {
-        unimplemented!()
-    }
-    pub fn commit(self, meta: RecordMeta) {
-        unimplemented!()
-    }
-}
-#[derive(Clone)]
-pub struct RingReader;
-impl RingReader {
-    pub fn open(path: &Path) -> Result<RingReader, ShmError> {
-        unimplemented!()
-    }
-    pub fn ring_id(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn oldest(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn newest(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn position(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn seek(&mut self, seq: u64) -> Result<(), SeekError> {
-        unimplemented!()
-    }
-    pub fn next(&mut self) -> ReadOutcome<'_> {
-        unimplemented!()
-    }
-    pub fn next_blocking(&mut self, timeout: Duration) -> ReadOutcome<'_> {
-        unimplemented!()
-    }
-    pub fn writer_alive(&self) -> bool {
-        unimplemented!()
-    }
-}
-pub enum ReadOutcome<'a> {
-    Record(RecordView<'a>),
-    Empty,
-    Lapped { missed: u64, resume_at: u64 },
-    RingReset { new_ring_id: u64 },
-    WriterGone,
-}
-pub struct RecordView<'a>(&'a [u8]);
-impl RecordView<'_> {
-    pub fn seq(&self) -> u64 {
-        unimplemented!()
-    }
-    pub fn meta(&self) -> RecordMeta {
-        unimplemented!()
-    }
-    pub fn payload(&self) -> &[u8] {
-        unimplemented!()
-    }
-    pub fn is_intact(&self) -> bool {
-        unimplemented!()
-    }
-    pub fn copy_to(&self, out: &mut Vec<u8>) -> bool {
-        unimplemented!()
-    }
-}
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_debug_implementations)]
+
+pub mod layout;
+pub mod protocol;
+mod sync;
+
+#[cfg(not(loom))]
+mod error;
+#[cfg(not(loom))]
+mod map;
+#[cfg(not(loom))]
+mod reader;
+#[cfg(not(loom))]
+mod sys;
+#[cfg(not(loom))]
+mod writer;
+
+pub use protocol::RecordMeta;
+
+#[cfg(not(loom))]
+pub use error::{SeekError, ShmError};
+#[cfg(not(loom))]
+pub use reader::{ReadOutcome, RecordView, RingReader};
+#[cfg(not(loom))]
+pub use writer::{wake_path, Reservation, RingWriter, WriterOptions};

@@ -108,11 +108,16 @@
 //! ```text
 //! cargo install cargo-fuzz
 //! cargo +nightly fuzz run decode                    # from the repository root
-//! cargo +nightly fuzz run decode tests/corpus/decode-malformed   # seeded with the corpus
+//! # seeded with the checked-in corpus (the first dir receives new inputs, the second is read):
+//! cargo +nightly fuzz run decode fuzz/corpus/decode tests/corpus/decode-malformed
 //! ```
 //!
-//! `tests/decode_fuzz_corpus.rs` runs the same entry point over the checked-in corpus on
-//! stable.
+//! `fuzz/gen_malformed_corpus.py` regenerates the corpus (truncated engine vectors, huge
+//! headers, deep nesting, bad UTF-8, wrong types).
+//!
+//! `tests/decode_fuzz_corpus.rs` runs the same entry point on stable over the corpus, the
+//! vectors and deterministic mutations of both (`DECODE_MUTATIONS=20000000 cargo test --release
+//! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
 mod error;
 mod pb;

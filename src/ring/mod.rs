@@ -117,7 +117,8 @@ struct WriterState {
 pub struct RingHub {
     label: String,
     writer: Mutex<WriterState>,
-    reader: RingReader,
+    /// A reader to clone (readers keep per-reader state in `Cell`s, so the template is locked).
+    reader: Mutex<RingReader>,
     cache: RwLock<RecentCache>,
     newest: AtomicU64,
     notify: tokio::sync::Notify,
@@ -197,7 +198,7 @@ impl RingHub {
                 writer,
                 next_event_id,
             }),
-            reader,
+            reader: Mutex::new(reader),
             cache: RwLock::new(RecentCache {
                 first_seq: 0,
                 items: VecDeque::new(),
@@ -292,7 +293,7 @@ impl RingHub {
 
     /// A new reader on this ring (shares the read-only mapping).
     pub fn reader(&self) -> RingReader {
-        self.reader.clone()
+        self.reader.lock().clone()
     }
 
     /// Newest committed sequence number (N).
@@ -302,7 +303,8 @@ impl RingHub {
 
     /// Oldest retained (O) and newest (N), read together from the ring header.
     pub fn window(&self) -> (u64, u64) {
-        (self.reader.oldest(), self.reader.newest())
+        let r = self.reader.lock();
+        (r.oldest(), r.newest())
     }
 
     /// The encoded record `seq` if it is still in the recent cache.

@@ -1,0 +1,82 @@
+//! Byte offsets of the ring file. `LAYOUT.md` is the normative description;
+//! these constants are its machine-readable twin.
+
+/// `b"KVBRSHM1"` read as a little-endian u64.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"KVBRSHM1");
+/// Bumped on any incompatible change of this file's layout or protocol.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Size of the header block; the index starts right after it.
+pub const HEADER_LEN: u64 = 4096;
+
+// --- line 0: immutable after creation -------------------------------------
+pub const OFF_MAGIC: usize = 0;
+pub const OFF_VERSION: usize = 8; // u32
+pub const OFF_HEADER_LEN: usize = 12; // u32
+pub const OFF_RING_ID: usize = 16;
+pub const OFF_CAPACITY: usize = 24;
+pub const OFF_INDEX_SLOTS: usize = 32;
+pub const OFF_INDEX_OFFSET: usize = 40;
+pub const OFF_DATA_OFFSET: usize = 48;
+pub const OFF_SEQ_BASE: usize = 56;
+// --- line 1: writer identity and liveness ----------------------------------
+pub const OFF_WRITER_PID: usize = 64; // u32, 0 = no writer (clean close)
+pub const OFF_STATE: usize = 68; // u32, STATE_*
+pub const OFF_HEARTBEAT_NS: usize = 72;
+pub const OFF_PIDNS_INO: usize = 80;
+pub const OFF_CREATED_NS: usize = 88;
+pub const OFF_MAX_PAYLOAD: usize = 96;
+// --- cursors, one cache line each ------------------------------------------
+pub const OFF_TAIL: usize = 128;
+pub const OFF_NEWEST: usize = 192;
+pub const OFF_INTENT: usize = 256;
+pub const OFF_OLDEST: usize = 320;
+pub const OFF_HEAD: usize = 384;
+pub const OFF_NOTIFY: usize = 448; // u32 futex word
+
+pub const STATE_ACTIVE: u32 = 0;
+/// Set in the *old* file by a writer that replaced it with a new ring.
+pub const STATE_RETIRED: u32 = 1;
+
+// --- records -----------------------------------------------------------------
+/// Record header: seq u64 | len u32, kind u32 | upstream_seq u64 |
+/// dp_rank u32, flags u32 | ingest_ns u64.
+pub const RECORD_HEADER_LEN: usize = 40;
+pub const RECORD_ALIGN: usize = 8;
+pub const KIND_RECORD: u32 = 1;
+pub const KIND_PAD: u32 = 2;
+
+// --- wake side file ----------------------------------------------------------
+pub const WAKE_MAGIC: u64 = u64::from_le_bytes(*b"KVBWAKE1");
+pub const WAKE_LEN: u64 = 4096;
+pub const WAKE_OFF_WAITERS: usize = 64; // u32
+
+/// Smallest data capacity accepted (64 KiB).
+pub const MIN_CAPACITY: usize = 64 * 1024;
+/// One index slot per this many data bytes.
+pub const BYTES_PER_INDEX_SLOT: usize = 128;
+
+pub const fn align_up(v: u64, a: u64) -> u64 {
+    (v + a - 1) & !(a - 1)
+}
+
+/// Bytes a record with `len` payload bytes occupies in the data area.
+pub const fn record_size(len: usize) -> u64 {
+    align_up((RECORD_HEADER_LEN + len) as u64, RECORD_ALIGN as u64)
+}
+
+/// Largest payload a ring of `capacity` data bytes accepts: a record may use
+/// at most a quarter of the ring, so that a reader that just read a record is
+/// never lapped by the single next append (Aeron's broadcast buffer uses 1/8).
+pub const fn max_payload(capacity: u64) -> usize {
+    (capacity / 4) as usize - RECORD_HEADER_LEN
+}
+
+/// Index slots for a data capacity (power of two because capacity is).
+pub const fn index_slots(capacity: u64) -> u64 {
+    let s = capacity / BYTES_PER_INDEX_SLOT as u64;
+    if s < 64 {
+        64
+    } else {
+        s
+    }
+}

@@ -1,0 +1,468 @@
+//! Read-only readers: zero-copy views, explicit lap / reset / writer-gone
+//! outcomes, futex waiting.
+
+use crate::error::{SeekError, ShmError};
+use crate::layout::*;
+use crate::map::{parse_header, Base, Geometry};
+use crate::protocol::{Read, RecordMeta, Ring};
+use crate::sys;
+use crate::writer::wake_path;
+use memmap2::{Mmap, MmapMut};
+use std::cell::Cell;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Heartbeats younger than this prove the writer alive without a syscall.
+const FRESH_HEARTBEAT_NS: u64 = 250_000_000;
+/// How often an idle reader re-checks that the path still names its file.
+const RESET_CHECK_EVERY: Duration = Duration::from_millis(20);
+/// Busy-spin before sleeping on the futex.
+const SPIN: Duration = Duration::from_micros(20);
+
+struct Mapped {
+    path: PathBuf,
+    map: Mmap,
+    geo: Geometry,
+    dev: u64,
+    ino: u64,
+    /// The wake side file, when this reader may write it (to count itself
+    /// as a sleeper). Without it the reader sleeps in short timed waits.
+    wake: Option<MmapMut>,
+    own_pidns: u64,
+}
+
+impl Mapped {
+    fn open(path: &Path) -> Result<Mapped, ShmError> {
+        let file = File::open(path).map_err(|e| ShmError::io(path, e))?;
+        let md = file.metadata().map_err(|e| ShmError::io(path, e))?;
+        if md.len() < HEADER_LEN {
+            return Err(ShmError::TooSmall {
+                path: path.into(),
+                len: md.len(),
+                need: HEADER_LEN,
+            });
+        }
+        // SAFETY: a read-only shared mapping. The writer never shrinks the
+        // file (it replaces it by rename instead), so the mapped range stays
+        // backed; all concurrently-mutated words are read through atomics,
+        // payload bytes through validated `RecordView`s.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| ShmError::io(path, e))?;
+        let geo = parse_header(path, Base::new(&map))?;
+        let wake = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(wake_path(path))
+            .ok()
+            .filter(|f| f.metadata().map(|m| m.len() >= WAKE_LEN).unwrap_or(false))
+            // SAFETY: 4 KiB side file accessed only through atomics.
+            .and_then(|f| unsafe { MmapMut::map_mut(&f) }.ok())
+            .filter(|m| Base::new(m).load(0) == WAKE_MAGIC);
+        Ok(Mapped {
+            path: path.into(),
+            map,
+            geo,
+            dev: md.dev(),
+            ino: md.ino(),
+            wake,
+            own_pidns: sys::pidns_ino(),
+        })
+    }
+
+    fn base(&self) -> Base<'_> {
+        Base::new(&self.map)
+    }
+
+    fn ring(&self) -> Ring<'_> {
+        self.base().ring(&self.geo)
+    }
+
+    fn waiters(&self) -> Option<&AtomicU32> {
+        self.wake
+            .as_ref()
+            .map(|m| Base::new(m).u32_at(WAKE_OFF_WAITERS))
+    }
+}
+
+/// A reader of one ring file. Cloning shares the read-only mapping; each
+/// clone has its own position.
+#[derive(Clone)]
+pub struct RingReader {
+    m: Arc<Mapped>,
+    pos: Cell<u64>,
+    stale_after: Duration,
+    last_stat: Cell<Option<Instant>>,
+}
+
+/// What [`RingReader::next`] found.
+#[derive(Debug)]
+pub enum ReadOutcome<'a> {
+    /// The next record, zero-copy.
+    Record(RecordView<'a>),
+    /// Nothing new (the writer is alive or its state is unknown).
+    Empty,
+    /// The writer overwrote records this reader still wanted. The position
+    /// is already moved to `resume_at`; `missed = resume_at - wanted`.
+    Lapped { missed: u64, resume_at: u64 },
+    /// The file was re-created (new ring id). The reader switched to the new
+    /// file, at its oldest record.
+    RingReset { new_ring_id: u64 },
+    /// Nothing new and the writer is dead or closed.
+    WriterGone,
+}
+
+enum Polled {
+    Record {
+        seq: u64,
+        pos: u64,
+        len: usize,
+        meta: RecordMeta,
+    },
+    Empty,
+    Lapped {
+        missed: u64,
+        resume_at: u64,
+    },
+}
+
+enum Idle {
+    Empty,
+    Gone,
+    Reset(u64),
+}
+
+impl std::fmt::Debug for RingReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingReader")
+            .field("path", &self.m.path)
+            .field("ring_id", &self.m.geo.ring_id)
+            .field("position", &self.pos.get())
+            .finish()
+    }
+}
+
+impl RingReader {
+    /// Map `path` read-only. The position starts at the oldest record.
+    pub fn open(path: &Path) -> Result<RingReader, ShmError> {
+        let m = Mapped::open(path)?;
+        let r = RingReader {
+            m: Arc::new(m),
+            pos: Cell::new(0),
+            stale_after: Duration::from_secs(1),
+            last_stat: Cell::new(None),
+        };
+        r.pos.set(r.oldest());
+        Ok(r)
+    }
+
+    /// Heartbeat age after which a writer whose pid cannot be checked is
+    /// declared gone (default 1 s; the service beats every ~100 ms).
+    pub fn set_stale_after(&mut self, d: Duration) {
+        self.stale_after = d;
+    }
+
+    pub fn ring_id(&self) -> u64 {
+        self.m.geo.ring_id
+    }
+    /// Data capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.m.geo.cap as usize
+    }
+    pub fn path(&self) -> &Path {
+        &self.m.path
+    }
+    /// O: the oldest retained record (N + 1 when the ring is empty).
+    pub fn oldest(&self) -> u64 {
+        let r = self.m.ring();
+        let n = r.newest.load(Ordering::Acquire);
+        r.oldest.load(Ordering::Acquire).min(n + 1)
+    }
+    /// N: the newest published record.
+    pub fn newest(&self) -> u64 {
+        self.m.ring().newest.load(Ordering::Acquire)
+    }
+    /// The sequence number the next `next()` will try to return.
+    pub fn position(&self) -> u64 {
+        self.pos.get()
+    }
+
+    /// Move to `seq`; `seq` in `[O, N + 1]` is accepted (N + 1 = live tail).
+    pub fn seek(&mut self, seq: u64) -> Result<(), SeekError> {
+        let r = self.m.ring();
+        let newest = r.newest.load(Ordering::Acquire);
+        let oldest = r.oldest.load(Ordering::Acquire).min(newest + 1);
+        if seq > newest + 1 {
+            return Err(SeekError::Future {
+                requested: seq,
+                newest,
+            });
+        }
+        if seq < oldest {
+            return Err(SeekError::TooOld {
+                requested: seq,
+                oldest,
+                newest,
+            });
+        }
+        self.pos.set(seq);
+        Ok(())
+    }
+
+    fn poll(&self) -> Polled {
+        let want = self.pos.get();
+        match self.m.ring().read(want) {
+            Read::Record { pos, len, meta } => {
+                self.pos.set(want + 1);
+                Polled::Record {
+                    seq: want,
+                    pos,
+                    len,
+                    meta,
+                }
+            }
+            Read::Empty => Polled::Empty,
+            Read::Lapped { resume_at } => {
+                self.pos.set(resume_at);
+                Polled::Lapped {
+                    missed: resume_at - want,
+                    resume_at,
+                }
+            }
+        }
+    }
+
+    /// Classify an empty poll: reset, writer gone, or just nothing new.
+    fn idle(&mut self) -> Idle {
+        let b = self.m.base();
+        let mut replaced = b.load32(OFF_STATE) == STATE_RETIRED;
+        if !replaced {
+            let now = Instant::now();
+            let due = self
+                .last_stat
+                .get()
+                .is_none_or(|t| now.duration_since(t) >= RESET_CHECK_EVERY);
+            if due {
+                self.last_stat.set(Some(now));
+                replaced = match std::fs::metadata(&self.m.path) {
+                    Ok(md) => md.ino() != self.m.ino || md.dev() != self.m.dev,
+                    Err(_) => true,
+                };
+            }
+        }
+        if replaced {
+            return match Mapped::open(&self.m.path) {
+                Ok(new) if new.ino != self.m.ino || new.dev != self.m.dev => {
+                    let id = new.geo.ring_id;
+                    self.m = Arc::new(new);
+                    self.last_stat.set(None);
+                    self.pos.set(self.oldest());
+                    Idle::Reset(id)
+                }
+                _ => Idle::Gone,
+            };
+        }
+        if self.writer_alive() {
+            Idle::Empty
+        } else {
+            Idle::Gone
+        }
+    }
+
+    /// Is the writer process alive? Clean close → false at once; SIGKILL →
+    /// false once the heartbeat is 250 ms old and the pid is gone (same pid
+    /// namespace), or once the heartbeat is older than `stale_after`.
+    pub fn writer_alive(&self) -> bool {
+        let b = self.m.base();
+        let pid = b.load32(OFF_WRITER_PID);
+        if pid == 0 || b.load32(OFF_STATE) == STATE_RETIRED {
+            return false;
+        }
+        let age = sys::now_ns().saturating_sub(b.load(OFF_HEARTBEAT_NS));
+        if age <= FRESH_HEARTBEAT_NS {
+            return true;
+        }
+        let pidns = b.load(OFF_PIDNS_INO);
+        if pidns != 0 && pidns == self.m.own_pidns && sys::pid_exists(pid) == Some(false) {
+            return false;
+        }
+        age <= self.stale_after.as_nanos() as u64
+    }
+
+    fn outcome(&self, p: Polled) -> ReadOutcome<'_> {
+        match p {
+            Polled::Record {
+                seq,
+                pos,
+                len,
+                meta,
+            } => ReadOutcome::Record(RecordView {
+                r: self,
+                seq,
+                pos,
+                len,
+                meta,
+            }),
+            Polled::Empty => ReadOutcome::Empty,
+            Polled::Lapped { missed, resume_at } => ReadOutcome::Lapped { missed, resume_at },
+        }
+    }
+
+    /// Non-blocking read of the record at [`position`](Self::position).
+    pub fn next(&mut self) -> ReadOutcome<'_> {
+        let p = self.poll();
+        if let Polled::Empty = p {
+            return match self.idle() {
+                Idle::Empty => ReadOutcome::Empty,
+                Idle::Gone => ReadOutcome::WriterGone,
+                Idle::Reset(id) => ReadOutcome::RingReset { new_ring_id: id },
+            };
+        }
+        self.outcome(p)
+    }
+
+    /// Like [`next`](Self::next) but waits up to `timeout` for a record:
+    /// spins ~20 µs, then sleeps on the shared futex. While the writer is
+    /// gone it keeps waiting (a restarted writer wakes it) and returns
+    /// `WriterGone` only when the timeout expires with nothing to read.
+    pub fn next_blocking(&mut self, timeout: Duration) -> ReadOutcome<'_> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        loop {
+            let p = self.poll();
+            if !matches!(p, Polled::Empty) {
+                return self.outcome(p);
+            }
+            let want = self.pos.get();
+            // Spin briefly: a record usually follows within microseconds.
+            let spin_until = (Instant::now() + SPIN).min(deadline);
+            let mut arrived = false;
+            'spin: loop {
+                for _ in 0..64 {
+                    if self.m.ring().newest.load(Ordering::Relaxed) >= want {
+                        arrived = true;
+                        break 'spin;
+                    }
+                    std::hint::spin_loop();
+                }
+                if Instant::now() >= spin_until {
+                    break;
+                }
+            }
+            if arrived {
+                continue;
+            }
+            let gone = match self.idle() {
+                Idle::Reset(id) => return ReadOutcome::RingReset { new_ring_id: id },
+                Idle::Gone => true,
+                Idle::Empty => false,
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return if gone {
+                    ReadOutcome::WriterGone
+                } else {
+                    ReadOutcome::Empty
+                };
+            }
+            self.sleep(want, (deadline - now).min(Duration::from_millis(100)));
+        }
+    }
+
+    /// Sleep on the futex until the writer publishes past `want - 1`, the
+    /// timeout, or a spurious wake.
+    fn sleep(&self, want: u64, max: Duration) {
+        let m = &*self.m;
+        let notify = m.base().u32_at(OFF_NOTIFY);
+        let waiters = m.waiters();
+        if let Some(w) = waiters {
+            w.fetch_add(1, Ordering::SeqCst);
+        }
+        // Dekker with the writer's commit (see RingWriter::wake_readers).
+        fence(Ordering::SeqCst);
+        let v = notify.load(Ordering::Acquire);
+        let published = m.ring().newest.load(Ordering::Acquire) >= want;
+        if !published {
+            // Unregistered readers cannot be woken reliably: poll at 1 ms.
+            let t = if waiters.is_some() {
+                max
+            } else {
+                max.min(Duration::from_millis(1))
+            };
+            sys::futex_wait(notify, v, t);
+        }
+        if let Some(w) = waiters {
+            w.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A zero-copy view of one record inside the shared mapping.
+///
+/// The header fields were validated when the view was made. The payload
+/// bytes are read in place: after using them, call [`is_intact`]
+/// (or use [`copy_to`]) to learn whether the writer began overwriting them.
+///
+/// [`is_intact`]: RecordView::is_intact
+/// [`copy_to`]: RecordView::copy_to
+pub struct RecordView<'a> {
+    r: &'a RingReader,
+    seq: u64,
+    pos: u64,
+    len: usize,
+    meta: RecordMeta,
+}
+
+impl std::fmt::Debug for RecordView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordView")
+            .field("seq", &self.seq)
+            .field("len", &self.len)
+            .field("meta", &self.meta)
+            .finish()
+    }
+}
+
+impl RecordView<'_> {
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    pub fn meta(&self) -> RecordMeta {
+        self.meta
+    }
+    /// The payload, in place. May change under you if the writer laps this
+    /// reader: check [`is_intact`](Self::is_intact) after consuming it.
+    pub fn payload(&self) -> &[u8] {
+        let m = &*self.r.m;
+        let off = m.geo.data_off as usize + m.ring().payload_offset(self.pos);
+        assert!(off + self.len <= m.map.len());
+        // SAFETY: in bounds (asserted; `Ring::read` also proved the record
+        // lies inside the data area). The bytes live in a MAP_SHARED mapping
+        // that another process may rewrite once it laps us; we never create
+        // a `&mut` to them in this process (readers are read-only), and the
+        // consumer is told by `is_intact` whether what it read is the record
+        // that was validated. This is the same contract as Aeron's
+        // broadcast receiver and every seqlock.
+        unsafe { std::slice::from_raw_parts(m.map.as_ptr().add(off), self.len) }
+    }
+    /// Re-check after consuming the payload. `false`: the writer began
+    /// overwriting this record; discard what was read. The reader's position
+    /// is then moved back to this record so that the next `next()` reports
+    /// `Lapped` for it.
+    pub fn is_intact(&self) -> bool {
+        let ok = self.r.m.ring().intact(self.pos);
+        if !ok && self.r.pos.get() > self.seq {
+            self.r.pos.set(self.seq);
+        }
+        ok
+    }
+    /// Copy the payload into `out` (replacing its contents), then validate.
+    /// `false`: lapped during the copy, `out` must be discarded.
+    pub fn copy_to(&self, out: &mut Vec<u8>) -> bool {
+        out.clear();
+        out.extend_from_slice(self.payload());
+        self.is_intact()
+    }
+}

@@ -1,0 +1,128 @@
+//! Thin, audited wrappers over the few syscalls the ring needs.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+/// Nanoseconds since the Unix epoch (CLOCK_REALTIME, vDSO, no syscall).
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime only writes it.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Try to take the exclusive writer lock without blocking. The kernel drops
+/// it when the last descriptor of the open file description is closed, which
+/// includes the holder's death by SIGKILL.
+pub fn try_lock_exclusive(f: &std::fs::File) -> io::Result<bool> {
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Allocate the file's blocks now, so that a full tmpfs fails here with
+/// ENOSPC instead of SIGBUS on first touch of the mapping.
+pub fn fallocate(f: &std::fs::File, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor we own.
+    let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len as libc::off_t) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(r))
+    }
+}
+
+/// Inode of this process's pid namespace (0 if unknown).
+pub fn pidns_ino() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .unwrap_or(0)
+}
+
+/// `Some(false)` when `pid` certainly does not exist, `Some(true)` when it
+/// exists, `None` when we cannot tell.
+pub fn pid_exists(pid: u32) -> Option<bool> {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return None;
+    }
+    // SAFETY: signal 0 performs only the existence/permission check.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if r == 0 {
+        return Some(true);
+    }
+    match io::Error::last_os_error().raw_os_error() {
+        Some(libc::ESRCH) => Some(false),
+        Some(libc::EPERM) => Some(true),
+        _ => None,
+    }
+}
+
+/// A random, non-zero ring id.
+pub fn random_u64() -> u64 {
+    let mut v: u64 = 0;
+    // SAFETY: getrandom writes at most 8 bytes into `v`, which is 8 bytes.
+    let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
+    if n != 8 {
+        v = now_ns() ^ ((std::process::id() as u64) << 32);
+    }
+    if v == 0 {
+        1
+    } else {
+        v
+    }
+}
+
+/// FUTEX_WAIT (shared, i.e. *without* FUTEX_PRIVATE_FLAG: the key is the
+/// file page, so waiters in other processes match) while `*word == expected`.
+/// Works on a read-only mapping: the kernel only reads the word.
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, aligned u32 that stays mapped for the call
+    // (the borrow outlives it); `ts` is a valid relative timeout. The kernel
+    // reads the word and may sleep; it writes no user memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+}
+
+/// FUTEX_WAKE every waiter on `word` (shared futex, see [`futex_wait`]).
+pub fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned u32 in a live mapping; FUTEX_WAKE
+    // does not access user memory beyond resolving the key.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+}

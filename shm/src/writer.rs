@@ -1,0 +1,597 @@
+//! The single writer: create or adopt, reserve → write in place → commit.
+
+use crate::error::ShmError;
+use crate::layout::*;
+use crate::map::{geometry_for, parse_header, Base, Geometry};
+use crate::protocol::{RecordMeta, Ring, Slot, WriterCursor};
+use crate::sys;
+use memmap2::MmapMut;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+
+/// How [`RingWriter::open`] creates a ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriterOptions {
+    /// Data bytes, rounded up to a power of two, at least 64 KiB.
+    /// Default 64 MiB. A ring of a different capacity is re-created.
+    pub capacity: usize,
+    /// First sequence number of a *new* ring (e.g. 1 for tests). `None`:
+    /// previous high-water mark H + 2 if known, else Unix time in µs.
+    pub seq_base: Option<u64>,
+    /// File mode 0640 (and 0660 for the wake file) instead of 0600.
+    pub group_read: bool,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        WriterOptions {
+            capacity: 64 << 20,
+            seq_base: None,
+            group_read: false,
+        }
+    }
+}
+
+/// Path of the small side file holding the futex waiter count.
+pub fn wake_path(path: &Path) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(".wake");
+    PathBuf::from(s)
+}
+
+/// The one writer of a ring file. Holds an exclusive `flock` on the file for
+/// its whole life; the kernel releases it when the process dies.
+pub struct RingWriter {
+    path: PathBuf,
+    _file: File,
+    map: MmapMut,
+    geo: Geometry,
+    cur: WriterCursor,
+    adopted: bool,
+    wake: Option<MmapMut>,
+}
+
+// The raw pointers are only derived from `map`, which is Send.
+impl std::fmt::Debug for RingWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingWriter")
+            .field("path", &self.path)
+            .field("ring_id", &self.geo.ring_id)
+            .field("cursor", &self.cur)
+            .field("adopted", &self.adopted)
+            .finish()
+    }
+}
+
+enum Opened {
+    Adopt(RingWriter),
+    Recreate { high_water: Option<u64> },
+}
+
+fn unix_us() -> u64 {
+    sys::now_ns() / 1000
+}
+
+impl RingWriter {
+    /// Create the ring at `path`, or adopt the valid ring already there and
+    /// continue its sequence at N + 1. A file that cannot be validated is
+    /// replaced (atomically, by rename) by a new ring with a new ring id.
+    pub fn open(path: &Path, opts: &WriterOptions) -> Result<RingWriter, ShmError> {
+        let cap = opts
+            .capacity
+            .max(MIN_CAPACITY)
+            .checked_next_power_of_two()
+            .ok_or_else(|| ShmError::InvalidOption("capacity too large".into()))?
+            as u64;
+        if opts.seq_base == Some(0) {
+            return Err(ShmError::InvalidOption("seq_base must be >= 1".into()));
+        }
+        let mode = if opts.group_read { 0o640 } else { 0o600 };
+        for _ in 0..32 {
+            let file = match OpenOptions::new().read(true).write(true).open(path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    let base = opts.seq_base.unwrap_or_else(unix_us);
+                    match create(path, cap, base, mode, false)? {
+                        Some(w) => return Ok(w),
+                        None => continue, // lost a creation race: retry
+                    }
+                }
+                Err(e) => return Err(ShmError::io(path, e)),
+            };
+            if !sys::try_lock_exclusive(&file).map_err(|e| ShmError::io(path, e))? {
+                return Err(ShmError::Locked {
+                    path: path.into(),
+                    pid: peek_pid(&file),
+                });
+            }
+            // The path may have been replaced between open and lock.
+            let same = match (file.metadata(), std::fs::metadata(path)) {
+                (Ok(a), Ok(b)) => a.ino() == b.ino() && a.dev() == b.dev(),
+                _ => false,
+            };
+            if !same {
+                continue;
+            }
+            match try_adopt(path, file, cap, mode)? {
+                Opened::Adopt(w) => return Ok(w),
+                Opened::Recreate { high_water } => {
+                    let base = opts
+                        .seq_base
+                        .or(high_water.map(|h| h + 2))
+                        .unwrap_or_else(unix_us);
+                    if let Some(w) = create(path, cap, base, mode, true)? {
+                        return Ok(w);
+                    }
+                }
+            }
+        }
+        Err(ShmError::Io {
+            path: path.into(),
+            source: io::Error::other("ring file kept changing while opening"),
+        })
+    }
+
+    fn base(&self) -> Base<'_> {
+        Base::new(&self.map)
+    }
+
+    fn ring(&self) -> Ring<'_> {
+        self.base().ring(&self.geo)
+    }
+
+    /// The ring id chosen when the file was created.
+    pub fn ring_id(&self) -> u64 {
+        self.geo.ring_id
+    }
+    /// True when an existing valid ring was continued.
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+    /// The sequence number the next [`reserve`](Self::reserve) gets.
+    pub fn next_seq(&self) -> u64 {
+        self.cur.next_seq
+    }
+    /// O, the oldest retained sequence number (N + 1 when empty).
+    pub fn oldest(&self) -> u64 {
+        self.cur.oldest.min(self.cur.next_seq)
+    }
+    /// N, the newest published sequence number.
+    pub fn newest(&self) -> u64 {
+        self.cur.next_seq - 1
+    }
+    /// Largest payload accepted (a quarter of the capacity minus the header).
+    pub fn max_record_len(&self) -> usize {
+        self.geo.max_payload
+    }
+    /// Data capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.geo.cap as usize
+    }
+    /// The writer's private cursors (tests and diagnostics).
+    #[doc(hidden)]
+    pub fn cursor(&self) -> WriterCursor {
+        self.cur
+    }
+
+    /// The ring file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reserve space for a `len`-byte payload. The records it will overwrite
+    /// are retired (stop being readable) before this returns.
+    pub fn reserve(&mut self, len: usize) -> Result<Reservation<'_>, ShmError> {
+        if len > self.geo.max_payload {
+            return Err(ShmError::RecordTooLarge {
+                len,
+                max: self.geo.max_payload,
+            });
+        }
+        let mut cur = self.cur;
+        let slot = self.ring().reserve(&mut cur, len);
+        self.cur = cur;
+        Ok(Reservation { w: self, slot })
+    }
+
+    /// Convenience: reserve, copy `payload`, commit. Returns the sequence.
+    pub fn append(&mut self, payload: &[u8], meta: RecordMeta) -> Result<u64, ShmError> {
+        let mut r = self.reserve(payload.len())?;
+        r.buf().copy_from_slice(payload);
+        let seq = r.seq();
+        r.commit(meta);
+        Ok(seq)
+    }
+
+    /// Store the current time as the writer heartbeat.
+    pub fn heartbeat(&self) {
+        self.base()
+            .u64_at(OFF_HEARTBEAT_NS)
+            .store(sys::now_ns(), Ordering::Release);
+    }
+
+    fn notify_word(&self) -> &AtomicU32 {
+        self.base().u32_at(OFF_NOTIFY)
+    }
+
+    fn wake_readers(&self) {
+        let notify = self.notify_word();
+        notify.store(
+            notify.load(Ordering::Relaxed).wrapping_add(1),
+            Ordering::Release,
+        );
+        // Dekker with the reader: we store `notify` then load `waiters`; a
+        // reader stores `waiters` then loads `notify`. SeqCst fences on both
+        // sides guarantee at least one of us sees the other's store.
+        fence(Ordering::SeqCst);
+        let must_wake = match &self.wake {
+            Some(m) => {
+                Base::new(m)
+                    .u32_at(WAKE_OFF_WAITERS)
+                    .load(Ordering::Relaxed)
+                    != 0
+            }
+            None => true,
+        };
+        if must_wake {
+            sys::futex_wake_all(notify);
+        }
+    }
+}
+
+impl Drop for RingWriter {
+    fn drop(&mut self) {
+        // Clean close: readers see WriterGone at once.
+        self.base()
+            .u32_at(OFF_WRITER_PID)
+            .store(0, Ordering::Release);
+        self.wake_readers();
+        // The flock goes with `_file`.
+    }
+}
+
+/// A reserved record; write the payload into [`buf`](Self::buf), then
+/// [`commit`](Self::commit). Dropping it publishes nothing and does not
+/// consume the sequence number.
+pub struct Reservation<'a> {
+    w: &'a mut RingWriter,
+    slot: Slot,
+}
+
+impl std::fmt::Debug for Reservation<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+impl Reservation<'_> {
+    /// The sequence number this record will have.
+    pub fn seq(&self) -> u64 {
+        self.slot.seq
+    }
+
+    /// Exactly `len` bytes, in the shared mapping.
+    pub fn buf(&mut self) -> &mut [u8] {
+        let g = &self.w.geo;
+        let off = g.data_off as usize + self.w.ring().payload_offset(self.slot.start);
+        debug_assert!(off + self.slot.len <= self.w.map.len());
+        // SAFETY: `off..off+len` lies inside the data area (the protocol never
+        // lets a record straddle the end of the area, and `len <= max_payload`
+        // was checked in `reserve`). We hold `&mut` to the writer, so no other
+        // `buf` of this process aliases it. Readers in other processes may
+        // read these bytes concurrently, but only after the protocol has
+        // retired them (intent published); they re-validate after reading and
+        // discard what they read, so no reader ever *acts* on racy bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.w.map.as_mut_ptr().add(off), self.slot.len) }
+    }
+
+    /// Publish the record with its metadata and wake sleeping readers.
+    pub fn commit(self, meta: RecordMeta) {
+        let mut cur = self.w.cur;
+        self.w.ring().commit(&mut cur, self.slot, meta);
+        self.w.cur = cur;
+        self.w.heartbeat();
+        self.w.wake_readers();
+    }
+}
+
+fn peek_pid(file: &File) -> u32 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 4];
+    match file.read_exact_at(&mut b, OFF_WRITER_PID as u64) {
+        Ok(()) => u32::from_le_bytes(b),
+        Err(_) => 0,
+    }
+}
+
+fn map_rw(path: &Path, file: &File) -> Result<MmapMut, ShmError> {
+    // SAFETY: the file is a ring file we hold the exclusive writer lock on;
+    // other processes only map it read-only and never truncate it; the
+    // mapping is only accessed through atomics or the writer-exclusive
+    // reservation buffer.
+    unsafe { MmapMut::map_mut(file) }.map_err(|e| ShmError::io(path, e))
+}
+
+/// Validate the locked file; adopt it or say what to re-create with.
+fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, ShmError> {
+    let len = file.metadata().map_err(|e| ShmError::io(path, e))?.len();
+    if len < HEADER_LEN {
+        return Ok(Opened::Recreate { high_water: None });
+    }
+    let map = map_rw(path, &file)?;
+    let base = Base::new(&map);
+    let high_water = |b: Base<'_>| {
+        if b.load(OFF_MAGIC) == MAGIC && b.load32(OFF_VERSION) == LAYOUT_VERSION {
+            Some(
+                b.load(OFF_NEWEST)
+                    .max(b.load(OFF_SEQ_BASE).saturating_sub(1)),
+            )
+        } else {
+            None
+        }
+    };
+    let geo = match parse_header(path, base) {
+        Ok(g) if g.cap == cap => g,
+        _ => {
+            let hw = high_water(base);
+            retire(base);
+            return Ok(Opened::Recreate { high_water: hw });
+        }
+    };
+    let ring = base.ring(&geo);
+    let cur = match walk(&ring, &geo) {
+        Ok(c) => c,
+        Err(_why) => {
+            let hw = high_water(base);
+            retire(base);
+            return Ok(Opened::Recreate { high_water: hw });
+        }
+    };
+    // Adopt: publish the repaired cursors, claim the header.
+    let o = Ordering::Release;
+    ring.oldest.store(cur.oldest, o);
+    ring.newest.store(cur.next_seq - 1, o);
+    base.u64_at(OFF_HEARTBEAT_NS).store(sys::now_ns(), o);
+    base.u64_at(OFF_PIDNS_INO).store(sys::pidns_ino(), o);
+    base.u32_at(OFF_STATE).store(STATE_ACTIVE, o);
+    base.u32_at(OFF_WRITER_PID).store(std::process::id(), o);
+    let wake = open_wake(path, mode);
+    Ok(Opened::Adopt(RingWriter {
+        path: path.into(),
+        _file: file,
+        map,
+        geo,
+        cur,
+        adopted: true,
+        wake,
+    }))
+}
+
+/// Mark an old file as replaced and wake its sleepers so that they notice.
+fn retire(b: Base<'_>) {
+    if b.len >= HEADER_LEN as usize {
+        b.u32_at(OFF_STATE).store(STATE_RETIRED, Ordering::Release);
+        let n = b.u32_at(OFF_NOTIFY);
+        n.fetch_add(1, Ordering::Release);
+        sys::futex_wake_all(n);
+    }
+}
+
+/// Walk the committed records [head, tail) of a ring left by a dead writer;
+/// return the cursor to continue with, or why the ring is unusable. Data past
+/// `tail` (an uncommitted record) is ignored: it was never visible.
+fn walk(ring: &Ring<'_>, g: &Geometry) -> Result<WriterCursor, &'static str> {
+    let r = Ordering::Acquire;
+    let (tail, head, intent) = (ring.tail.load(r), ring.head.load(r), ring.intent.load(r));
+    let (newest, oldest) = (ring.newest.load(r), ring.oldest.load(r));
+    let cap = g.cap;
+    if head > tail || tail - head > cap || tail % 8 != 0 || head % 8 != 0 {
+        return Err("head/tail out of order");
+    }
+    if intent < tail || intent > head + cap {
+        return Err("overwrite horizon inconsistent with head/tail");
+    }
+    if oldest == 0 || oldest > newest + 2 {
+        return Err("oldest/newest out of order");
+    }
+    let hdr = RECORD_HEADER_LEN as u64;
+    // Pass 1: structure and contiguity.
+    let mut first = None;
+    let mut expected: Option<u64> = None;
+    let mut p = head;
+    let mut records: Vec<(u64, u64)> = Vec::new();
+    while p < tail {
+        let off = p & (cap - 1);
+        let room = cap - off;
+        if room < hdr {
+            p += room;
+            continue;
+        }
+        let w1 = ring.data[(off / 8 + 1) as usize].load(r);
+        let (len, kind) = (w1 as u32 as usize, (w1 >> 32) as u32);
+        if kind == KIND_PAD {
+            if len as u64 + hdr != room {
+                return Err("bad padding record");
+            }
+            p += room;
+            continue;
+        }
+        if kind != KIND_RECORD || len > g.max_payload {
+            return Err("bad record header");
+        }
+        let size = record_size(len);
+        if off + size > cap || p + size > tail {
+            return Err("record crosses the end of the area or the tail");
+        }
+        let seq = ring.data[(off / 8) as usize].load(r);
+        if expected.is_some_and(|e| e != seq) || seq == 0 {
+            return Err("sequence numbers not contiguous");
+        }
+        first.get_or_insert(seq);
+        expected = Some(seq + 1);
+        records.push((seq, p));
+        p += size;
+    }
+    if p != tail {
+        return Err("walk overran the tail");
+    }
+    let n = match expected {
+        Some(e) => e - 1,
+        None => newest,
+    };
+    // A writer killed between its `tail` and `newest` stores leaves n = N + 1.
+    if n != newest && n != newest + 1 {
+        return Err("newest does not match the records");
+    }
+    let o = oldest
+        .max(first.unwrap_or(n + 1))
+        .max((n + 1).saturating_sub(g.slots))
+        .min(n + 1);
+    // Pass 2: repair index slots of retained records (identical values are
+    // left alone so concurrent readers never see a transient change).
+    for &(seq, pos) in records.iter().filter(|(s, _)| *s >= o) {
+        let slot = &ring.index[(seq & (g.slots - 1)) as usize];
+        if slot.load(r) != pos {
+            slot.store(pos, Ordering::Release);
+        }
+    }
+    Ok(WriterCursor {
+        tail,
+        head,
+        oldest: o,
+        intent,
+        next_seq: n + 1,
+    })
+}
+
+fn open_wake(path: &Path, mode: u32) -> Option<MmapMut> {
+    let wp = wake_path(path);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(mode)
+        .open(&wp)
+        .ok()?;
+    // Readers must be able to bump the waiter count: owner (and, with
+    // group_read, group) get write permission on this one small file.
+    let wmode = if mode & 0o040 != 0 { 0o660 } else { 0o600 };
+    let _ = f.set_permissions(std::fs::Permissions::from_mode(wmode));
+    if f.metadata().ok()?.len() < WAKE_LEN {
+        sys::fallocate(&f, WAKE_LEN).ok()?;
+    }
+    // SAFETY: a 4 KiB side file only ever accessed through atomics.
+    let m = unsafe { MmapMut::map_mut(&f) }.ok()?;
+    Base::new(&m).u64_at(0).store(WAKE_MAGIC, Ordering::Release);
+    Some(m)
+}
+
+/// Create a new ring file: build it under a temporary name, then link (new
+/// path) or rename (replacing) it into place so that no reader ever maps a
+/// half-initialised file. Returns `None` if another writer created the path
+/// first.
+fn create(
+    path: &Path,
+    cap: u64,
+    seq_base: u64,
+    mode: u32,
+    replace: bool,
+) -> Result<Option<RingWriter>, ShmError> {
+    let ring_id = sys::random_u64();
+    let g = geometry_for(cap, ring_id);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp.{}.{:x}", std::process::id(), ring_id));
+    let tmp = PathBuf::from(tmp);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(|e| ShmError::io(path, e))?;
+    let cleanup = |e: ShmError| {
+        let _ = std::fs::remove_file(&tmp);
+        e
+    };
+    // Exact mode regardless of umask.
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+        .map_err(|e| cleanup(ShmError::io(path, e)))?;
+    if !sys::try_lock_exclusive(&file).map_err(|e| cleanup(ShmError::io(path, e)))? {
+        return Err(cleanup(ShmError::Locked {
+            path: path.into(),
+            pid: 0,
+        }));
+    }
+    if let Err(e) = sys::fallocate(&file, g.file_len) {
+        let err = if e.raw_os_error() == Some(libc::ENOSPC) {
+            ShmError::NoSpace {
+                path: path.into(),
+                requested: g.file_len,
+            }
+        } else {
+            ShmError::io(path, e)
+        };
+        return Err(cleanup(err));
+    }
+    let map = map_rw(path, &file).map_err(cleanup)?;
+    let b = Base::new(&map);
+    let w = Ordering::Relaxed;
+    b.u32_at(OFF_VERSION).store(LAYOUT_VERSION, w);
+    b.u32_at(OFF_HEADER_LEN).store(HEADER_LEN as u32, w);
+    b.u64_at(OFF_RING_ID).store(ring_id, w);
+    b.u64_at(OFF_CAPACITY).store(cap, w);
+    b.u64_at(OFF_INDEX_SLOTS).store(g.slots, w);
+    b.u64_at(OFF_INDEX_OFFSET).store(g.index_off, w);
+    b.u64_at(OFF_DATA_OFFSET).store(g.data_off, w);
+    b.u64_at(OFF_SEQ_BASE).store(seq_base, w);
+    b.u32_at(OFF_WRITER_PID).store(std::process::id(), w);
+    b.u32_at(OFF_STATE).store(STATE_ACTIVE, w);
+    b.u64_at(OFF_HEARTBEAT_NS).store(sys::now_ns(), w);
+    b.u64_at(OFF_PIDNS_INO).store(sys::pidns_ino(), w);
+    b.u64_at(OFF_CREATED_NS).store(sys::now_ns(), w);
+    b.u64_at(OFF_MAX_PAYLOAD).store(g.max_payload as u64, w);
+    b.u64_at(OFF_TAIL).store(0, w);
+    b.u64_at(OFF_NEWEST).store(seq_base - 1, w);
+    b.u64_at(OFF_INTENT).store(0, w);
+    b.u64_at(OFF_OLDEST).store(seq_base, w);
+    b.u64_at(OFF_HEAD).store(0, w);
+    for s in b.words(g.index_off, g.slots * 8) {
+        s.store(u64::MAX, w);
+    }
+    b.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
+    let placed = if replace {
+        std::fs::rename(&tmp, path)
+    } else {
+        std::fs::hard_link(&tmp, path).and_then(|()| std::fs::remove_file(&tmp))
+    };
+    match placed {
+        Ok(()) => {}
+        Err(e) if !replace && e.kind() == io::ErrorKind::AlreadyExists => {
+            let _ = std::fs::remove_file(&tmp);
+            return Ok(None);
+        }
+        Err(e) => return Err(cleanup(ShmError::io(path, e))),
+    }
+    let wake = open_wake(path, mode);
+    Ok(Some(RingWriter {
+        path: path.into(),
+        _file: file,
+        map,
+        geo: g,
+        cur: WriterCursor {
+            tail: 0,
+            head: 0,
+            oldest: seq_base,
+            intent: 0,
+            next_seq: seq_base,
+        },
+        adopted: false,
+        wake,
+    }))
+}
