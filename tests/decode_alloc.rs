@@ -33,17 +33,8 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static A: Counting = Counting;
 
-const VECTORS: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../shared/spec/vectors/engine-vectors.json"
-));
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
+mod vectors;
+use vectors::{unhex, VECTORS};
 
 /// A vLLM-0.33-style map store of `n` blocks × 16 tokens plus `r` single-hash removals.
 fn big(n: u32, r: u32) -> Vec<u8> {

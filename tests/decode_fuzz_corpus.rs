@@ -4,17 +4,8 @@
 //! and is canonical.
 use kvbridge::decode::{fuzz_entry, DecodeConfig, Decoder};
 
-const VECTORS: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../shared/spec/vectors/engine-vectors.json"
-));
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
+mod vectors;
+use vectors::{unhex, VECTORS};
 
 fn vectors() -> Vec<Vec<u8>> {
     let doc: serde_json::Value = serde_json::from_str(VECTORS).unwrap();

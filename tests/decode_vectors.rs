@@ -8,17 +8,8 @@ use kvbridge::proto::common::{
 use prost::Message;
 use serde_json::Value;
 
-const VECTORS: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../shared/spec/vectors/engine-vectors.json"
-));
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
+mod vectors;
+use vectors::{unhex, VECTORS};
 
 /// Plans + writes every record; checks canonical bytes; returns the decoded batches.
 fn run(dec: &mut Decoder, payload: &[u8]) -> Vec<KvEventBatch> {

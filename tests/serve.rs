@@ -473,3 +473,48 @@ fn setup_errors_are_one_line_and_exit_2() {
     let (code, err) = run(&["tail", "--shm", "/nonexistent-dir/ring"]);
     assert_eq!(code, Some(2), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_killed_with_sigkill_restarts_on_its_ring_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let ring = dir.path().join("ring");
+    let mut bridge = Bridge::start(dir.path(), &ring, &rank_args(&[&e]));
+    settle();
+    let mut all = Vec::new();
+    for i in 0..20u64 {
+        let ev = store(i + 1, 2, None);
+        all.extend(hashes_of(&ev));
+        e.publish(layout(i as usize), vec![ev], 0);
+    }
+    let mut s = subscribe(&bridge.url(), 0).await.unwrap();
+    let before = collect_until(&mut s, T, |g| stored_hashes(g).len() >= 40).await;
+    let cursor = before.last().unwrap().sequence_number;
+    // No shutdown path at all: the kernel releases the writer lock.
+    bridge.child.kill().unwrap();
+    bridge.child.wait().unwrap();
+    // The engine goes on publishing while the bridge is dead.
+    for i in 20..30u64 {
+        let ev = store(i + 1, 2, None);
+        all.extend(hashes_of(&ev));
+        e.publish(layout(i as usize), vec![ev], 0);
+    }
+    let (grpc, args) = (bridge.grpc, bridge.args.clone());
+    drop(bridge);
+    let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
+    let mut s = subscribe(&bridge.url(), cursor)
+        .await
+        .expect("the cursor survives a crash");
+    let after = collect_until(&mut s, T, |g| stored_hashes(g).len() >= 20).await;
+    assert_eq!(after[0].sequence_number, cursor + 1);
+    assert_contiguous(&after);
+    assert_eq!(
+        clears(&after),
+        0,
+        "the engine's replay filled what the crash missed"
+    );
+    let mut seen = stored_hashes(&before);
+    seen.extend(stored_hashes(&after));
+    assert_eq!(seen, all);
+    assert!(bridge.stop().success());
+}

@@ -129,6 +129,8 @@ pub struct BenchResult {
     pub grpc_latency: Latency,
     /// End-to-end latency over shared memory (all readers).
     pub shm_latency: Latency,
+    /// Ring latency: record commit (ingest) → shm reader, the ring alone.
+    pub shm_ring_latency: Latency,
     /// Totals over all gRPC subscribers.
     pub grpc: Delivery,
     /// Per-subscriber minimum delivered (a starved subscriber shows here).
@@ -371,15 +373,18 @@ pub async fn measure(
     }
     r.grpc_latency = Latency::from_ns(&gh);
     let mut sh = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("bounds");
+    let mut rh = sh.clone();
     for p in readers {
         let out = reader::collect(p)?;
         sh.add(&out.hist).map_err(|e| e.to_string())?;
+        rh.add(&out.ring).map_err(|e| e.to_string())?;
         r.shm.delivered += out.delivery.delivered;
         r.shm.lost += out.delivery.lost;
         r.shm.duplicates += out.delivery.duplicates;
         r.shm.errors += out.delivery.errors;
     }
     r.shm_latency = Latency::from_ns(&sh);
+    r.shm_ring_latency = Latency::from_ns(&rh);
     r.delivered_mb = bytes as f64 / 1e6;
     if let (Some(a), Some(b)) = (cpu0, cpu1) {
         let cpu = b - a;
@@ -405,6 +410,7 @@ pub fn table(r: &BenchResult) -> String {
     for (name, d, l) in [
         ("grpc", &r.grpc, &r.grpc_latency),
         ("shm", &r.shm, &r.shm_latency),
+        ("ring", &r.shm, &r.shm_ring_latency),
     ] {
         s += &format!(
             "{name:<5} {:>10} {:>9} {:>4} {:>4} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}\n",

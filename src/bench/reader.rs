@@ -20,14 +20,18 @@ struct Report {
     lost: u64,
     duplicates: u64,
     errors: u64,
-    /// V2-serialized histogram, hex.
+    /// V2-serialized histogram (end to end), hex.
     hist_hex: String,
+    /// V2-serialized histogram (ingest → reader: the ring alone), hex.
+    ring_hex: String,
 }
 
 /// A reader process's result.
 pub struct ReaderOut {
     /// Latency in ns from the scheduled send time.
     pub hist: Histogram<u64>,
+    /// Latency in ns from the record's ingest (commit) time: the ring alone.
+    pub ring: Histogram<u64>,
     /// Counts.
     pub delivery: Delivery,
 }
@@ -72,15 +76,11 @@ pub fn collect(mut child: Child) -> Result<ReaderOut, String> {
     }
     let r: Report =
         serde_json::from_str(s.trim()).map_err(|e| format!("bad reader report: {e}"))?;
-    let bytes = (0..r.hist_hex.len() / 2)
-        .map(|i| u8::from_str_radix(&r.hist_hex[2 * i..2 * i + 2], 16))
-        .collect::<Result<Vec<u8>, _>>()
-        .map_err(|e| e.to_string())?;
-    let hist: Histogram<u64> = Deserializer::new()
-        .deserialize(&mut bytes.as_slice())
-        .map_err(|e| format!("{e:?}"))?;
+    let hist = from_hex(&r.hist_hex)?;
+    let ring = from_hex(&r.ring_hex)?;
     Ok(ReaderOut {
         hist,
+        ring,
         delivery: Delivery {
             delivered: r.delivered,
             lost: r.lost,
@@ -88,6 +88,24 @@ pub fn collect(mut child: Child) -> Result<ReaderOut, String> {
             errors: r.errors,
         },
     })
+}
+
+fn from_hex(h: &str) -> Result<Histogram<u64>, String> {
+    let bytes = (0..h.len() / 2)
+        .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16))
+        .collect::<Result<Vec<u8>, _>>()
+        .map_err(|e| e.to_string())?;
+    Deserializer::new()
+        .deserialize(&mut bytes.as_slice())
+        .map_err(|e| format!("{e:?}"))
+}
+
+fn to_hex(h: &Histogram<u64>) -> Result<String, String> {
+    let mut buf = Vec::new();
+    V2Serializer::new()
+        .serialize(h, &mut buf)
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The body of `kvbridge bench-reader`: reads live records for `run_for`, counting after
@@ -104,6 +122,7 @@ pub fn run_reader(
         .map_err(|e| e.to_string())?;
     let start = Instant::now();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("bounds");
+    let mut ring = hist.clone();
     let mut d = Delivery::default();
     let mut last: Option<u64> = None;
     while start.elapsed() < run_for {
@@ -116,8 +135,10 @@ pub fn run_reader(
         match outcome {
             ReadOutcome::Record(v) => {
                 let seq = v.seq();
+                let ingest_ns = v.meta().ingest_ns;
                 let head = wire::seq_and_ts(v.payload());
-                let now = crate::ring::unix_seconds();
+                let now_ns = crate::ring::unix_nanos();
+                let now = now_ns as f64 / 1e9;
                 if !v.is_intact() {
                     continue;
                 }
@@ -133,6 +154,7 @@ pub fn run_reader(
                 last = Some(seq);
                 if counting {
                     d.delivered += 1;
+                    let _ = ring.record(now_ns.saturating_sub(ingest_ns).max(1));
                     if let Some((_, ts)) = head {
                         let _ = hist.record((((now - ts) * 1e9).max(1.0)) as u64);
                     }
@@ -155,17 +177,15 @@ pub fn run_reader(
             }
         }
     }
-    let mut buf = Vec::new();
-    V2Serializer::new()
-        .serialize(&hist, &mut buf)
-        .map_err(|e| format!("{e:?}"))?;
-    let hist_hex = buf.iter().map(|b| format!("{b:02x}")).collect();
+    let hist_hex = to_hex(&hist)?;
+    let ring_hex = to_hex(&ring)?;
     let r = Report {
         delivered: d.delivered,
         lost: d.lost,
         duplicates: d.duplicates,
         errors: d.errors,
         hist_hex,
+        ring_hex,
     };
     println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
     Ok(())

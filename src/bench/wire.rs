@@ -117,12 +117,7 @@ pub async fn subscriber(
         }
     };
     let mut last: Option<u64> = None;
-    loop {
-        // Checked on every turn, not only when the stream is idle: at a steady rate faster than
-        // the idle tick the stream never idles, and the publisher stops only after we do.
-        if stop.load(Ordering::Relaxed) {
-            break;
-        }
+    while !stop.load(Ordering::Relaxed) {
         tokio::select! {
             m = stream.message() => match m {
                 Ok(Some(b)) => {

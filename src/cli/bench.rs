@@ -97,6 +97,7 @@ impl Drop for OwnBridge {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.shm);
+        let _ = std::fs::remove_file(kvbridge_shm::wake_path(&self.shm));
     }
 }
 

@@ -301,6 +301,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     }
     service.shutdown().await;
     let _ = std::fs::remove_file(&shm);
+    let _ = std::fs::remove_file(kvbridge_shm::wake_path(&shm));
     println!("demo stopped cleanly");
     Ok(())
 }

@@ -297,6 +297,12 @@ impl Subscription {
                     "kvbridge is shutting down; resubscribe with the same cursor",
                 ));
             }
+            // Overwritten in the ring: whatever a cache still holds, the subscriber fell behind
+            // the retained window, and resuming past the hole would be a silent skip.
+            let oldest = self.hub.oldest();
+            if self.next < oldest {
+                return Err(self.lapped(oldest));
+            }
             if let Some((b, ingest_ns)) = self.hub.cached_at(self.next) {
                 self.last_ingest_ns = ingest_ns;
                 self.next += 1;

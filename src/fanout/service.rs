@@ -240,7 +240,12 @@ pub async fn serve(
     router: tonic::transport::server::Router,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Our own listener (bound early so an occupied port is a start-up error), so the socket
+    // options tonic would apply to listeners it binds itself are applied here: without
+    // TCP_NODELAY, small batches wait for the peer's delayed ACK (milliseconds of latency).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(60)));
     router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

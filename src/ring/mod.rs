@@ -87,10 +87,10 @@ const CACHE_MAX_BYTES: usize = 32 << 20;
 
 impl RecentCache {
     #[cfg(test)]
-    fn push(&mut self, seq: u64, b: Bytes) {
-        self.push_at(seq, b, 0)
+    fn push(&mut self, seq: u64, b: Bytes, max_bytes: usize) {
+        self.push_at(seq, b, 0, max_bytes)
     }
-    fn push_at(&mut self, seq: u64, b: Bytes, ingest_ns: u64) {
+    fn push_at(&mut self, seq: u64, b: Bytes, ingest_ns: u64, max_bytes: usize) {
         if self.items.is_empty() || seq != self.first_seq + self.items.len() as u64 {
             self.items.clear();
             self.bytes = 0;
@@ -98,8 +98,7 @@ impl RecentCache {
         }
         self.bytes += b.len();
         self.items.push_back((b, ingest_ns));
-        while self.items.len() > CACHE_MAX_ITEMS
-            || (self.bytes > CACHE_MAX_BYTES && self.items.len() > 1)
+        while self.items.len() > CACHE_MAX_ITEMS || (self.bytes > max_bytes && self.items.len() > 1)
         {
             if let Some((old, _)) = self.items.pop_front() {
                 self.bytes -= old.len();
@@ -129,6 +128,11 @@ pub struct RingHub {
     reader: Mutex<RingReader>,
     cache: RwLock<RecentCache>,
     newest: AtomicU64,
+    /// Oldest retained sequence (O), kept beside `newest` so subscribers can check it lock-free.
+    oldest: AtomicU64,
+    /// The cache never holds more than this (a quarter of the ring), so everything it serves
+    /// is also inside the ring's retained window.
+    cache_max_bytes: usize,
     notify: tokio::sync::Notify,
 }
 
@@ -200,6 +204,8 @@ impl RingHub {
             }
         }
         let newest = writer.newest();
+        let oldest = writer.oldest();
+        let cache_max_bytes = (writer.capacity() / 4).min(CACHE_MAX_BYTES);
         let hub = Arc::new(RingHub {
             label: label.to_string(),
             writer: Mutex::new(WriterState {
@@ -213,6 +219,8 @@ impl RingHub {
                 bytes: 0,
             }),
             newest: AtomicU64::new(newest),
+            oldest: AtomicU64::new(oldest),
+            cache_max_bytes,
             notify: tokio::sync::Notify::new(),
         });
         Ok((hub, recovered))
@@ -250,7 +258,10 @@ impl RingHub {
             st.next_event_id += dec.record_events(i);
             out.records += 1;
             out.bytes += len;
-            self.cache.write().push_at(seq, shared, meta.ingest_ns);
+            self.cache
+                .write()
+                .push_at(seq, shared, meta.ingest_ns, self.cache_max_bytes);
+            self.oldest.store(st.writer.oldest(), Ordering::Release);
             self.newest.store(seq, Ordering::Release);
         }
         drop(st);
@@ -287,9 +298,12 @@ impl RingHub {
             ingest_ns,
         });
         st.next_event_id += 1;
+        self.oldest.store(st.writer.oldest(), Ordering::Release);
         drop(st);
         buf.truncate(len);
-        self.cache.write().push_at(seq, Bytes::from(buf), ingest_ns);
+        self.cache
+            .write()
+            .push_at(seq, Bytes::from(buf), ingest_ns, self.cache_max_bytes);
         self.newest.store(seq, Ordering::Release);
         self.notify.notify_waiters();
         Ok(seq)
@@ -310,10 +324,15 @@ impl RingHub {
         self.newest.load(Ordering::Acquire)
     }
 
-    /// Oldest retained (O) and newest (N), read together from the ring header.
+    /// Oldest retained (O) and newest (N), one consistent view (taken under the writer lock).
     pub fn window(&self) -> (u64, u64) {
-        let r = self.reader.lock();
-        (r.oldest(), r.newest())
+        let st = self.writer.lock();
+        (st.writer.oldest(), st.writer.newest())
+    }
+
+    /// Oldest retained sequence (O), lock-free.
+    pub fn oldest(&self) -> u64 {
+        self.oldest.load(Ordering::Acquire)
     }
 
     /// The encoded record `seq` if it is still in the recent cache.
@@ -371,7 +390,7 @@ mod tests {
             bytes: 0,
         };
         for s in 10..10 + CACHE_MAX_ITEMS as u64 + 5 {
-            c.push(s, Bytes::from(s.to_le_bytes().to_vec()));
+            c.push(s, Bytes::from(s.to_le_bytes().to_vec()), CACHE_MAX_BYTES);
         }
         assert!(c.get(10).is_none());
         assert_eq!(c.get(15).unwrap().as_ref(), &15u64.to_le_bytes());
@@ -379,7 +398,7 @@ mod tests {
         assert_eq!(c.get(last).unwrap().as_ref(), &last.to_le_bytes());
         assert!(c.get(last + 1).is_none());
         // A discontinuity restarts the cache instead of mis-indexing.
-        c.push(last + 10, Bytes::from_static(b"x"));
+        c.push(last + 10, Bytes::from_static(b"x"), CACHE_MAX_BYTES);
         assert!(c.get(last).is_none());
         assert_eq!(c.get(last + 10).unwrap().as_ref(), b"x");
     }

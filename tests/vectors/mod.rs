@@ -1,0 +1,17 @@
+//! The engine vectors of `shared/spec/vectors/engine-vectors.json` (payloads encoded by the
+//! engines' own encoders), shared by the decoder tests.
+#![allow(dead_code)]
+
+/// The vector file, embedded at build time (CI has `shared/` beside the checkout).
+pub const VECTORS: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../shared/spec/vectors/engine-vectors.json"
+));
+
+/// Hex to bytes.
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
