@@ -107,6 +107,10 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
     assert!(metric(&page, "kvbridge_ring_bytes_total", &[("ring", "merged")]) > 0.0);
     assert_eq!(metric(&page, "kvbridge_record_size_bytes_count", &[]), 10.0);
     assert!(metric(&page, "kvbridge_ring_capacity_bytes", &[("ring", "merged")]) > 0.0);
+    let used = metric(&page, "kvbridge_ring_used_bytes", &[("ring", "merged")]);
+    assert!(used >= metric(&page, "kvbridge_ring_bytes_total", &[("ring", "merged")]));
+    let fill = metric(&page, "kvbridge_ring_fill_ratio", &[("ring", "merged")]);
+    assert!(fill > 0.0 && fill < 0.01, "fill {fill}");
     assert_eq!(
         metric(&page, "kvbridge_ring_newest_seq", &[("ring", "merged")]),
         10.0
@@ -719,6 +723,37 @@ async fn fuzzed_zmq_frames_are_counted_and_a_valid_stream_survives() {
     drop(sub);
     let st = bridge.stop();
     assert!(st.success(), "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_streams_per_connection_reaches_http2() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--max-streams-per-connection"), s("2")]);
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    let ch = channel(&bridge.url()).await;
+    let open = |ch: Channel| async move {
+        VllmEngineClient::new(ch)
+            .subscribe_kv_events(req(0))
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    let a = open(ch.clone()).await;
+    let _b = open(ch.clone()).await;
+    // A third stream on the same connection waits for a free slot (SETTINGS_MAX_CONCURRENT_STREAMS
+    // = 2); another connection is not affected.
+    let third = tokio::spawn(open(ch.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!third.is_finished(), "a third concurrent stream was opened");
+    let _c = open(channel(&bridge.url()).await).await;
+    drop(a);
+    let _third = tokio::time::timeout(T, third)
+        .await
+        .expect("the queued stream opens once one ends")
+        .unwrap();
+    bridge.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

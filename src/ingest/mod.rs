@@ -619,6 +619,16 @@ pub fn spawn_heartbeat(
                         .ring_newest
                         .with_label_values(&[h.label()])
                         .set(n as i64);
+                    let used = h.used_bytes();
+                    let l = [h.label()];
+                    metrics.ring_used.with_label_values(&l).set(used as i64);
+                    let cap = metrics.ring_capacity.with_label_values(&l).get();
+                    if cap > 0 {
+                        metrics
+                            .ring_fill
+                            .with_label_values(&l)
+                            .set(used as f64 / cap as f64);
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }

@@ -43,6 +43,10 @@ pub struct Metrics {
     pub health_serving: IntGauge,
     /// Ring capacity in bytes, per ring.
     pub ring_capacity: IntGaugeVec,
+    /// Bytes holding retained records, per ring.
+    pub ring_used: IntGaugeVec,
+    /// `ring_used_bytes / ring_capacity_bytes`, per ring.
+    pub ring_fill: prometheus::GaugeVec,
     /// Subscribers that fell a lap behind and were ended with DATA_LOSS, per ring.
     pub ring_reader_laps: IntCounterVec,
     /// Subscribers disconnected for being too slow (DATA_LOSS), per path.
@@ -199,6 +203,21 @@ impl Metrics {
                 g
             },
             ring_capacity: gauge(&r, "ring_capacity_bytes", "Ring data capacity", &["ring"]),
+            ring_used: gauge(
+                &r,
+                "ring_used_bytes",
+                "Ring bytes holding retained records",
+                &["ring"],
+            ),
+            ring_fill: {
+                let g = prometheus::GaugeVec::new(
+                    Opts::new("ring_fill_ratio", "Retained bytes / capacity"),
+                    &["ring"],
+                )
+                .expect("metric");
+                r.register(Box::new(g.clone())).expect("unique");
+                g
+            },
             ring_reader_laps: counter(
                 &r,
                 "ring_reader_laps_total",

@@ -309,6 +309,12 @@ impl RingHub {
         Ok(seq)
     }
 
+    /// Bytes of the ring's data area holding retained records (fill = this / capacity).
+    pub fn used_bytes(&self) -> u64 {
+        let c = self.writer.lock().writer.cursor();
+        c.tail.saturating_sub(c.head)
+    }
+
     /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale).
     pub fn heartbeat(&self) {
         self.writer.lock().writer.heartbeat();
