@@ -11,9 +11,10 @@
 //!   DEALER       place
 //! ```
 //!
-//! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command) and
-//! [`metrics`] (Prometheus). The wire formats are specified in `shared/spec/engine-wire.md`
-//! (engine side) and `shared/spec/smg-api.md` (gateway side).
+//! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command),
+//! [`metrics`] (Prometheus) and [`health`] (upstream connections → `grpc.health.v1`). The wire
+//! formats are specified in `shared/spec/engine-wire.md` (engine side) and
+//! `shared/spec/smg-api.md` (gateway side).
 
 pub mod bench;
 pub mod cli;

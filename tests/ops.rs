@@ -116,6 +116,10 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
         10.0
     );
     assert_eq!(metric(&page, "kvbridge_batches_sent_total", &[]), 10.0);
+    assert_eq!(
+        metric(&page, "kvbridge_subscriber_lag_batches_count", &[]),
+        10.0
+    );
     assert!(metric(&page, "kvbridge_bytes_sent_total", &[]) > 0.0);
     assert_eq!(
         metric(

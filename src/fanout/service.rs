@@ -102,6 +102,7 @@ impl PathHandler {
                     Ok(b) => {
                         metrics.batches_sent.inc();
                         metrics.bytes_sent.inc_by(b.0.len() as u64);
+                        metrics.subscriber_lag.observe(sub.lag() as f64);
                         let t = sub.last_ingest_ns();
                         if t > 0 {
                             let now = crate::ring::unix_nanos();

@@ -83,6 +83,8 @@ pub struct Metrics {
     pub statuses: IntCounterVec,
     /// Time from ingest to hand-off to the transport, seconds.
     pub send_latency: HistogramVec,
+    /// Per-subscriber lag (N − the sequence just handed off), observed at every hand-off.
+    pub subscriber_lag: Histogram,
 }
 
 fn counter(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -117,6 +119,20 @@ impl Metrics {
         )
         .expect("histogram");
         r.register(Box::new(send_latency.clone())).expect("unique");
+        let subscriber_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "subscriber_lag_batches",
+                "Newest sequence minus the one just handed to a subscriber, per hand-off",
+            )
+            .buckets(
+                std::iter::once(0.0)
+                    .chain(prometheus::exponential_buckets(1.0, 4.0, 10).expect("buckets"))
+                    .collect(),
+            ),
+        )
+        .expect("histogram");
+        r.register(Box::new(subscriber_lag.clone()))
+            .expect("unique");
         let batches_sent =
             IntCounter::new("batches_sent_total", "Batches sent to subscribers").expect("metric");
         r.register(Box::new(batches_sent.clone())).expect("unique");
@@ -279,6 +295,7 @@ impl Metrics {
             ),
             statuses: counter(&r, "statuses_total", "gRPC statuses emitted", &["code"]),
             send_latency,
+            subscriber_lag,
             registry: r,
         }
     }
