@@ -56,6 +56,7 @@ pub struct ServiceHandle {
     server: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
     health_task: tokio::task::JoinHandle<()>,
+    health: tonic_health::server::HealthReporter,
     hubs: Vec<Arc<RingHub>>,
 }
 
@@ -63,6 +64,14 @@ impl ServiceHandle {
     /// Stops ingest, ends every stream with `UNAVAILABLE`, stops the server (waiting at most 5 s
     /// for connections to drain) and releases the ring writer.
     pub async fn shutdown(self) {
+        // Health first, so that load balancers stop sending new subscribers.
+        self.health_task.abort();
+        for svc in std::iter::once("").chain(crate::fanout::service_names()) {
+            self.health
+                .set_service_status(svc, tonic_health::ServingStatus::NotServing)
+                .await;
+        }
+        self.metrics.health_serving.set(0);
         let ingest = self.ingest;
         let _ = tokio::task::spawn_blocking(move || ingest.stop()).await;
         let _ = self.shutdown_tx.send(true);
@@ -80,7 +89,6 @@ impl ServiceHandle {
         if let Some(t) = self.metrics_task {
             t.abort();
         }
-        self.health_task.abort();
         self.heartbeat_stop.store(true, Ordering::SeqCst);
         let _ = self.heartbeat.join();
         drop(self.fanout);
@@ -188,7 +196,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         tls: cfg.tls.clone(),
         auth_token: cfg.auth_token.clone(),
         max_streams_per_connection: cfg.max_streams_per_connection,
-        health: Some(reporter),
+        health: Some(reporter.clone()),
     };
     let router = crate::fanout::router_with(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;
@@ -220,6 +228,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         server,
         metrics_task,
         health_task,
+        health: reporter,
         hubs,
     })
 }
