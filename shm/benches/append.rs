@@ -47,7 +47,7 @@ fn bench(c: &mut Criterion) {
                 });
             })
         });
-        let mut dst = vec![0u8; CAP];
+        let mut dst = vec![1u8; CAP];
         let mut off = 0usize;
         g.bench_function(format!("memcpy_{len}B"), |b| {
             b.iter(|| {
@@ -73,7 +73,7 @@ fn bench(c: &mut Criterion) {
             r.commit(RecordMeta::default());
         }
         let ring = t.elapsed();
-        let mut dst = vec![0u8; CAP];
+        let mut dst = vec![1u8; CAP]; // pre-faulted, like the ring's pages
         let mut off = 0;
         let t = Instant::now();
         for _ in 0..n {

@@ -17,7 +17,10 @@ const FINAL: u32 = 1;
 const WARMUP: u64 = 1000;
 
 fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
 }
 
 fn reader(path: &str, mode: &str) {

@@ -16,6 +16,18 @@ pub fn now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Coarse nanoseconds since the Unix epoch (CLOCK_REALTIME_COARSE: a few ns,
+/// jiffy resolution) — plenty for a heartbeat judged at 250 ms granularity.
+pub fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime only writes it.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// Try to take the exclusive writer lock without blocking. The kernel drops
 /// it when the last descriptor of the open file description is closed, which
 /// includes the holder's death by SIGKILL.

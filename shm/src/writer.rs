@@ -210,7 +210,7 @@ impl RingWriter {
     pub fn heartbeat(&self) {
         self.base()
             .u64_at(OFF_HEARTBEAT_NS)
-            .store(sys::now_ns(), Ordering::Release);
+            .store(sys::coarse_now_ns(), Ordering::Release);
     }
 
     fn notify_word(&self) -> &AtomicU32 {
