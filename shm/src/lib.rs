@@ -60,6 +60,21 @@
 //! # Ok::<(), ShmError>(())
 //! ```
 
+//! ## How it is tested
+//!
+//! * `tests/loom.rs` — loom model of publish / read / lap on a 128-byte ring
+//!   (writer + 1 or 2 readers): no torn read, every lap reported and never
+//!   spurious, monotonic sequence numbers. Removing either the writer's
+//!   Release fence or the reader's Acquire fence makes it fail.
+//!   `RUSTFLAGS="--cfg loom" cargo test -p kvbridge-shm --release --test loom`
+//! * `tests/multiprocess.rs` — a writer process and three reader processes
+//!   (the test binary re-executed), checksummed payloads, the writer
+//!   SIGKILLed mid-stream and restarted (adopts, continues at N + 1).
+//! * `tests/boundary.rs`, `tests/props.rs` — wrap / padding edges, the
+//!   largest record, adoption, re-creation, seek, modes, errors.
+//! * `benches/append.rs` (criterion, vs memcpy) and `benches/latency.rs`
+//!   (cross-process, HdrHistogram, busy-poll and futex readers).
+
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_debug_implementations)]
 

@@ -311,6 +311,7 @@ impl RingReader {
     }
 
     /// Non-blocking read of the record at [`position`](Self::position).
+    #[allow(clippy::should_implement_trait)] // name fixed by kvbridge's API
     pub fn next(&mut self) -> ReadOutcome<'_> {
         let p = self.poll();
         if let Polled::Empty = p {

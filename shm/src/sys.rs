@@ -16,6 +16,18 @@ pub fn now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Coarse nanoseconds since the Unix epoch (CLOCK_REALTIME_COARSE: a few ns,
+/// jiffy resolution) — plenty for a heartbeat judged at 250 ms granularity.
+pub fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime only writes it.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// Try to take the exclusive writer lock without blocking. The kernel drops
 /// it when the last descriptor of the open file description is closed, which
 /// includes the holder's death by SIGKILL.
@@ -125,4 +137,49 @@ pub fn futex_wake_all(word: &AtomicU32) {
             0u32,
         )
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// The design rests on this: FUTEX_WAIT (shared) on a PROT_READ mapping
+    /// works, and a FUTEX_WAKE through another (RW) mapping of the same file
+    /// page wakes it.
+    #[test]
+    fn futex_wait_on_read_only_mapping() {
+        let dir = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .unwrap();
+        let p = dir.path().join("futex");
+        std::fs::write(&p, [0u8; 4096]).unwrap();
+        let rw_file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        // SAFETY: test-private file, accessed only through atomics.
+        let rw = unsafe { memmap2::MmapMut::map_mut(&rw_file) }.unwrap();
+        let ro_file = std::fs::File::open(&p).unwrap();
+        // SAFETY: as above; read-only mapping.
+        let ro = unsafe { memmap2::Mmap::map(&ro_file) }.unwrap();
+        let waiter = std::thread::spawn(move || {
+            // SAFETY: page-aligned mapping of 4096 bytes; offset 0 is aligned.
+            let word = unsafe { &*(ro.as_ptr() as *const AtomicU32) };
+            let t = Instant::now();
+            futex_wait(word, 0, Duration::from_secs(5));
+            t.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(150));
+        // SAFETY: as above, through the RW mapping.
+        let word = unsafe { &*(rw.as_ptr() as *const AtomicU32) };
+        word.store(1, std::sync::atomic::Ordering::SeqCst);
+        futex_wake_all(word);
+        let waited = waiter.join().unwrap();
+        // < 100 ms would mean FUTEX_WAIT failed at once (e.g. EFAULT on a
+        // read-only page); ~5 s would mean the wake did not reach it.
+        assert!(waited >= Duration::from_millis(100), "{waited:?}");
+        assert!(waited < Duration::from_secs(3), "{waited:?}");
+    }
 }

@@ -68,7 +68,11 @@ impl std::fmt::Debug for RingWriter {
 
 enum Opened {
     Adopt(RingWriter),
-    Recreate { high_water: Option<u64> },
+    /// Re-create; `old` keeps the old file locked until the new one is in place.
+    Recreate {
+        high_water: Option<u64>,
+        old: File,
+    },
 }
 
 fn unix_us() -> u64 {
@@ -118,12 +122,17 @@ impl RingWriter {
             }
             match try_adopt(path, file, cap, mode)? {
                 Opened::Adopt(w) => return Ok(w),
-                Opened::Recreate { high_water } => {
+                Opened::Recreate { high_water, old } => {
                     let base = opts
                         .seq_base
                         .or(high_water.map(|h| h + 2))
                         .unwrap_or_else(unix_us);
-                    if let Some(w) = create(path, cap, base, mode, true)? {
+                    let created = create(path, cap, base, mode, true);
+                    // Only now release the old file's lock: a writer that
+                    // locked it earlier could otherwise adopt the file we
+                    // are replacing.
+                    drop(old);
+                    if let Some(w) = created? {
                         return Ok(w);
                     }
                 }
@@ -210,7 +219,7 @@ impl RingWriter {
     pub fn heartbeat(&self) {
         self.base()
             .u64_at(OFF_HEARTBEAT_NS)
-            .store(sys::now_ns(), Ordering::Release);
+            .store(sys::coarse_now_ns(), Ordering::Release);
     }
 
     fn notify_word(&self) -> &AtomicU32 {
@@ -321,7 +330,10 @@ fn map_rw(path: &Path, file: &File) -> Result<MmapMut, ShmError> {
 fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, ShmError> {
     let len = file.metadata().map_err(|e| ShmError::io(path, e))?.len();
     if len < HEADER_LEN {
-        return Ok(Opened::Recreate { high_water: None });
+        return Ok(Opened::Recreate {
+            high_water: None,
+            old: file,
+        });
     }
     let map = map_rw(path, &file)?;
     let base = Base::new(&map);
@@ -335,12 +347,16 @@ fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, Shm
             None
         }
     };
+    // A retired file was already replaced; never bring it back to life.
     let geo = match parse_header(path, base) {
-        Ok(g) if g.cap == cap => g,
+        Ok(g) if g.cap == cap && base.load32(OFF_STATE) != STATE_RETIRED => g,
         _ => {
             let hw = high_water(base);
             retire(base);
-            return Ok(Opened::Recreate { high_water: hw });
+            return Ok(Opened::Recreate {
+                high_water: hw,
+                old: file,
+            });
         }
     };
     let ring = base.ring(&geo);
@@ -349,7 +365,10 @@ fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, Shm
         Err(_why) => {
             let hw = high_water(base);
             retire(base);
-            return Ok(Opened::Recreate { high_water: hw });
+            return Ok(Opened::Recreate {
+                high_water: hw,
+                old: file,
+            });
         }
     };
     // Adopt: publish the repaired cursors, claim the header.
@@ -374,7 +393,8 @@ fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, Shm
 
 /// Mark an old file as replaced and wake its sleepers so that they notice.
 fn retire(b: Base<'_>) {
-    if b.len >= HEADER_LEN as usize {
+    // Only touch files that are kvbridge rings: a foreign file is left as is.
+    if b.len >= HEADER_LEN as usize && b.load(OFF_MAGIC) == MAGIC {
         b.u32_at(OFF_STATE).store(STATE_RETIRED, Ordering::Release);
         let n = b.u32_at(OFF_NOTIFY);
         n.fetch_add(1, Ordering::Release);

@@ -264,7 +264,7 @@ fn adoption_after_restart_continues_n_plus_1() {
         // an uncommitted reservation at the moment of "death"
         let mut res = w.reserve(900).unwrap();
         res.buf().fill(0xFF);
-        std::mem::forget(res);
+        drop(res); // "dies" mid-record: nothing committed
     }
     let mut r = RingReader::open(&p).unwrap();
     let o = r.oldest();
@@ -410,6 +410,7 @@ fn file_mode_and_errors() {
         Err(ShmError::BadVersion { found: 99, .. })
     ));
     // Permission denied (only meaningful when not root).
+    // SAFETY: geteuid takes no arguments, cannot fail and touches no memory.
     let is_root = unsafe { libc_geteuid() } == 0;
     if !is_root {
         std::fs::set_permissions(&v, std::fs::Permissions::from_mode(0o000)).unwrap();
