@@ -83,24 +83,26 @@ impl Ingest {
             });
             let last = last_upstream.get(&rank.rank).copied();
             workers.push(RankWorker {
-                rank: rank.clone(),
-                ctx: ctx.clone(),
-                sub,
-                monitor,
-                upstream: upstream.clone(),
-                topic: cfg.topic.as_bytes().to_vec(),
                 state: RankState::new(last, Limits::default(), m.clone()),
                 sink: RingSink::new(rank.rank, decoder, tgt, m.clone(), metrics.clone()),
-                stop: stop.clone(),
-                replay_timeout: cfg.replay_timeout,
-                m,
+                monitor,
+                upstream: upstream.clone(),
+                io: RankIo {
+                    rank: rank.clone(),
+                    ctx: ctx.clone(),
+                    sub,
+                    topic: cfg.topic.as_bytes().to_vec(),
+                    stop: stop.clone(),
+                    replay_timeout: cfg.replay_timeout,
+                    m,
+                },
             });
         }
         let threads = workers
             .into_iter()
             .map(|w| {
                 std::thread::Builder::new()
-                    .name(format!("ingest-rank-{}", w.rank.rank))
+                    .name(format!("ingest-rank-{}", w.io.rank.rank))
                     .spawn(move || w.run())
                     .expect("spawn ingest thread")
             })
@@ -174,17 +176,30 @@ pub fn parse_monitor_event(frames: &[Vec<u8>]) -> Option<(u16, String)> {
 }
 
 struct RankWorker {
+    io: RankIo,
+    monitor: zmq::Socket,
+    upstream: Arc<UpstreamState>,
+    state: RankState,
+    sink: RingSink,
+}
+
+/// A rank's sockets and settings: what the receive loop and the replay client share.
+struct RankIo {
     rank: RankEndpoint,
     ctx: zmq::Context,
     sub: zmq::Socket,
-    monitor: zmq::Socket,
-    upstream: Arc<UpstreamState>,
     topic: Vec<u8>,
-    state: RankState,
-    sink: RingSink,
     stop: Arc<AtomicBool>,
     replay_timeout: Duration,
     m: RankMetrics,
+}
+
+impl RankIo {
+    /// The replay client, when this rank has a replay endpoint.
+    fn replay(&self) -> Option<ZmqReplay<'_>> {
+        let endpoint = self.rank.replay.as_deref()?;
+        Some(ZmqReplay { io: self, endpoint })
+    }
 }
 
 /// Receives one multipart message into reusable buffers; returns the frame count (frames past
@@ -211,18 +226,9 @@ fn recv_message(
 
 impl RankWorker {
     fn run(mut self) {
-        tracing::info!(rank = self.rank.rank, endpoint = %self.rank.endpoint, bind = self.rank.bind,
-            replay = ?self.rank.replay, "ingest started");
-        if let Some(ep) = self.rank.replay.clone() {
-            let mut rep = ZmqReplay::new(
-                &self.ctx,
-                &ep,
-                &self.sub,
-                &self.topic,
-                self.replay_timeout,
-                &self.stop,
-                &self.m,
-            );
+        tracing::info!(rank = self.io.rank.rank, endpoint = %self.io.rank.endpoint, bind = self.io.rank.bind,
+            replay = ?self.io.rank.replay, "ingest started");
+        if let Some(mut rep) = self.io.replay() {
             self.state.catch_up(&mut self.sink, &mut rep);
         }
         let mut bufs = [
@@ -230,18 +236,18 @@ impl RankWorker {
             zmq::Message::new(),
             zmq::Message::new(),
         ];
-        while !self.stop.load(Ordering::Relaxed) {
+        while !self.io.stop.load(Ordering::Relaxed) {
             // Also when idle, so the exported counters catch up after a burst.
             self.sink.flush_decoder_metrics(false);
             let (data, events) = {
                 let mut items = [
-                    self.sub.as_poll_item(zmq::POLLIN),
+                    self.io.sub.as_poll_item(zmq::POLLIN),
                     self.monitor.as_poll_item(zmq::POLLIN),
                 ];
                 match zmq::poll(&mut items, 100) {
                     Ok(_) => (items[0].is_readable(), items[1].is_readable()),
                     Err(e) => {
-                        tracing::error!(rank = self.rank.rank, error = %e, "poll failed");
+                        tracing::error!(rank = self.io.rank.rank, error = %e, "poll failed");
                         std::thread::sleep(Duration::from_millis(100));
                         continue;
                     }
@@ -255,16 +261,16 @@ impl RankWorker {
             }
             // Drain what is ready, then look at the stop flag again.
             for _ in 0..4096 {
-                let n = match recv_message(&self.sub, &mut bufs) {
+                let n = match recv_message(&self.io.sub, &mut bufs) {
                     Ok(Some(n)) => n,
                     Ok(None) => break,
                     Err(e) => {
-                        tracing::error!(rank = self.rank.rank, error = %e, "recv failed");
+                        tracing::error!(rank = self.io.rank.rank, error = %e, "recv failed");
                         break;
                     }
                 };
                 let frames: [&[u8]; 3] = [&bufs[0], &bufs[1], &bufs[2]];
-                let seq = match wire::live_seq(&frames[..n.min(3)], &self.topic).and_then(|s| {
+                let seq = match wire::live_seq(&frames[..n.min(3)], &self.io.topic).and_then(|s| {
                     if n > 3 {
                         Err(wire::Drop::FrameCount)
                     } else {
@@ -273,34 +279,21 @@ impl RankWorker {
                 }) {
                     Ok(s) => s,
                     Err(d) => {
-                        self.m.frame_dropped(d.label());
+                        self.io.m.frame_dropped(d.label());
                         self.sink
                             .warn_limited(d.label(), "dropped a malformed ZMQ message");
                         continue;
                     }
                 };
                 let payload: &[u8] = &bufs[2];
-                match &self.rank.replay {
-                    Some(ep) => {
-                        let mut rep = ZmqReplay::new(
-                            &self.ctx,
-                            ep,
-                            &self.sub,
-                            &self.topic,
-                            self.replay_timeout,
-                            &self.stop,
-                            &self.m,
-                        );
-                        self.state
-                            .on_live(seq, payload, &mut self.sink, Some(&mut rep));
-                    }
-                    None => self.state.on_live(seq, payload, &mut self.sink, None),
-                }
+                let mut rep = self.io.replay();
+                let rep = rep.as_mut().map(|r| r as &mut dyn ReplaySource);
+                self.state.on_live(seq, payload, &mut self.sink, rep);
             }
             self.sink.flush_decoder_metrics(false);
         }
         self.sink.flush_decoder_metrics(true);
-        tracing::info!(rank = self.rank.rank, "ingest stopped");
+        tracing::info!(rank = self.io.rank.rank, "ingest stopped");
     }
 }
 
@@ -311,18 +304,18 @@ impl RankWorker {
             let Some((event, endpoint)) = parse_monitor_event(&frames) else {
                 continue;
             };
-            let rank = self.rank.rank;
+            let rank = self.io.rank.rank;
             match zmq::SocketEvent::from_raw(event) {
                 zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
-                    self.m.connects.inc();
+                    self.io.m.connects.inc();
                     let n = self.upstream.on_connect(rank);
-                    self.m.connected.set(n);
+                    self.io.m.connected.set(n);
                     tracing::info!(rank, %endpoint, connections = n, "engine publisher connected");
                 }
                 zmq::SocketEvent::DISCONNECTED => {
-                    self.m.disconnects.inc();
+                    self.io.m.disconnects.inc();
                     let n = self.upstream.on_disconnect(rank);
-                    self.m.connected.set(n);
+                    self.io.m.connected.set(n);
                     tracing::warn!(rank, %endpoint, connections = n, "engine publisher disconnected");
                 }
                 other => {
@@ -336,44 +329,19 @@ impl RankWorker {
 /// The engine's replay service, reached with a fresh DEALER per request (so a late reply to an
 /// abandoned request can never be taken for part of the next one).
 struct ZmqReplay<'a> {
-    ctx: &'a zmq::Context,
+    io: &'a RankIo,
     endpoint: &'a str,
-    sub: &'a zmq::Socket,
-    topic: &'a [u8],
-    timeout: Duration,
-    stop: &'a AtomicBool,
-    m: &'a RankMetrics,
 }
 
-impl<'a> ZmqReplay<'a> {
-    fn new(
-        ctx: &'a zmq::Context,
-        endpoint: &'a str,
-        sub: &'a zmq::Socket,
-        topic: &'a [u8],
-        timeout: Duration,
-        stop: &'a AtomicBool,
-        m: &'a RankMetrics,
-    ) -> Self {
-        ZmqReplay {
-            ctx,
-            endpoint,
-            sub,
-            topic,
-            timeout,
-            stop,
-            m,
-        }
-    }
-
+impl ZmqReplay<'_> {
     fn drain_live(&self, live: &mut dyn FnMut(u64, Vec<u8>)) {
         loop {
-            match self.sub.recv_multipart(zmq::DONTWAIT) {
+            match self.io.sub.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => {
                     let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
-                    match wire::live_seq(&refs, self.topic) {
+                    match wire::live_seq(&refs, &self.io.topic) {
                         Ok(s) => live(s, frames.into_iter().nth(2).unwrap_or_default()),
-                        Err(d) => self.m.frame_dropped(d.label()),
+                        Err(d) => self.io.m.frame_dropped(d.label()),
                     }
                 }
                 Err(_) => return,
@@ -389,7 +357,7 @@ impl ReplaySource for ZmqReplay<'_> {
         batch: &mut dyn FnMut(u64, &[u8]),
         live: &mut dyn FnMut(u64, Vec<u8>),
     ) -> ReplayEnd {
-        let dealer = match self.ctx.socket(zmq::DEALER).and_then(|d| {
+        let dealer = match self.io.ctx.socket(zmq::DEALER).and_then(|d| {
             d.set_linger(0)?;
             d.set_ipv6(true)?;
             d.set_rcvhwm(0)?;
@@ -408,9 +376,9 @@ impl ReplaySource for ZmqReplay<'_> {
             tracing::warn!(endpoint = self.endpoint, error = %e, "replay request failed");
             return ReplayEnd::Malformed;
         }
-        let mut deadline = Instant::now() + self.timeout;
+        let mut deadline = Instant::now() + self.io.replay_timeout;
         loop {
-            if self.stop.load(Ordering::Relaxed) {
+            if self.io.stop.load(Ordering::Relaxed) {
                 return ReplayEnd::Aborted;
             }
             let now = Instant::now();
@@ -420,7 +388,7 @@ impl ReplaySource for ZmqReplay<'_> {
             let wait = (deadline - now).min(Duration::from_millis(100)).as_millis() as i64;
             let mut items = [
                 dealer.as_poll_item(zmq::POLLIN),
-                self.sub.as_poll_item(zmq::POLLIN),
+                self.io.sub.as_poll_item(zmq::POLLIN),
             ];
             if zmq::poll(&mut items, wait.max(1)).is_err() {
                 continue;
@@ -436,12 +404,12 @@ impl ReplaySource for ZmqReplay<'_> {
                         Ok(Reply::End) => return ReplayEnd::Complete,
                         Ok(Reply::Batch(s, p)) => batch(s, p),
                         Err(why) => {
-                            self.m.frame_dropped("replay_malformed");
+                            self.io.m.frame_dropped("replay_malformed");
                             tracing::warn!(endpoint = self.endpoint, why, "malformed replay reply");
                             return ReplayEnd::Malformed;
                         }
                     }
-                    deadline = Instant::now() + self.timeout;
+                    deadline = Instant::now() + self.io.replay_timeout;
                 }
             }
         }
