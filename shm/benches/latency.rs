@@ -3,7 +3,9 @@
 //! `KVB_LAT_ROLE=reader`) measures `now - ingest_ns` into an HdrHistogram.
 //! Two modes: a busy-polling reader (`next()` in a loop) and a futex-waiting
 //! reader (`next_blocking`, spins ~20 µs then sleeps on the futex; the writer
-//! paces records 200 µs apart so the reader really sleeps).
+//! paces records 200 µs apart so the reader really sleeps). The writer paces
+//! by spinning (default: writer and reader each own one of the two cores) or,
+//! with `KVB_LAT_PACE=sleep`, by sleeping (leaves a core free for others).
 //!
 //! cargo bench -p kvbridge-shm --bench latency
 
@@ -87,12 +89,17 @@ fn run(mode: &str, records: u64, gap: Duration) {
     assert_eq!(line.trim(), "READY");
     std::thread::sleep(Duration::from_millis(50));
     let payload = [0x42u8; 64];
+    let sleep_pace = std::env::var("KVB_LAT_PACE").as_deref() == Ok("sleep");
     let mut next = Instant::now();
     for i in 0..records {
-        while Instant::now() < next {
-            std::hint::spin_loop();
+        if sleep_pace {
+            std::thread::sleep(gap);
+        } else {
+            while Instant::now() < next {
+                std::hint::spin_loop();
+            }
+            next += gap;
         }
-        next += gap;
         let mut r = w.reserve(payload.len()).unwrap();
         r.buf().copy_from_slice(&payload);
         r.commit(RecordMeta {
