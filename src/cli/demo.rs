@@ -283,7 +283,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
             frames_dropped,
         );
         if tty {
-            print!("\x1b[H\x1b[2J{screen}(Ctrl-C to stop)\n");
+            println!("\x1b[H\x1b[2J{screen}(Ctrl-C to stop)");
         } else {
             println!("{screen}");
         }

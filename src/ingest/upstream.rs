@@ -178,7 +178,7 @@ impl RankState {
         mut rep: Option<&mut dyn ReplaySource>,
         catch_up: bool,
     ) {
-        let Some(source) = rep.as_deref_mut() else {
+        let Some(source) = rep.as_mut() else {
             return;
         };
         let mut overflow = false;
