@@ -223,6 +223,9 @@ impl Publisher {
                         )
                     })
                     .collect();
+                // 1 µs timer slack (default 50 µs) so short sleeps end on time.
+                // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
+                unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
                 let start = Instant::now();
                 let wall0 = crate::ring::unix_seconds();
                 let period_ns = 1e9 / rate as f64;
@@ -235,8 +238,10 @@ impl Publisher {
                             break;
                         }
                         let left = due - now;
-                        if left > Duration::from_micros(200) {
-                            std::thread::sleep(left - Duration::from_micros(100));
+                        // Sleep until just before the due time; spin only the last few µs, so the
+                        // load generator does not take a core the bridge needs.
+                        if left > Duration::from_micros(15) {
+                            std::thread::sleep(left - Duration::from_micros(10));
                         } else {
                             std::hint::spin_loop();
                         }
@@ -314,6 +319,7 @@ pub async fn measure(
             cfg.warmup + cfg.duration + Duration::from_millis(500),
             cfg.shm_spin,
             cfg.warmup,
+            cfg.duration,
         )?);
     }
     tokio::time::sleep(cfg.warmup).await;

@@ -42,6 +42,7 @@ pub fn spawn_process(
     run_for: Duration,
     spin: bool,
     warmup: Duration,
+    count_for: Duration,
 ) -> Result<Child, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut c = Command::new(exe);
@@ -51,7 +52,9 @@ pub fn spawn_process(
         .arg("--run-ms")
         .arg(run_for.as_millis().to_string())
         .arg("--warmup-ms")
-        .arg(warmup.as_millis().to_string());
+        .arg(warmup.as_millis().to_string())
+        .arg("--count-ms")
+        .arg(count_for.as_millis().to_string());
     if spin {
         c.arg("--spin");
     }
@@ -108,12 +111,13 @@ fn to_hex(h: &Histogram<u64>) -> Result<String, String> {
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The body of `kvbridge bench-reader`: reads live records for `run_for`, counting after
-/// `warmup`, and prints the report.
+/// The body of `kvbridge bench-reader`: reads live records for `run_for`, counting from
+/// `warmup` for `count_for` (the bench's measured window), and prints the report.
 pub fn run_reader(
     shm: &Path,
     run_for: Duration,
     warmup: Duration,
+    count_for: Duration,
     spin: bool,
 ) -> Result<(), String> {
     let mut reader = RingReader::open(shm).map_err(|e| format!("--shm {}: {e}", shm.display()))?;
@@ -126,7 +130,8 @@ pub fn run_reader(
     let mut d = Delivery::default();
     let mut last: Option<u64> = None;
     while start.elapsed() < run_for {
-        let counting = start.elapsed() >= warmup;
+        let t = start.elapsed();
+        let counting = t >= warmup && t < warmup + count_for;
         let outcome = if spin {
             reader.next()
         } else {

@@ -63,6 +63,8 @@ pub struct BenchReaderArgs {
     run_ms: u64,
     #[arg(long = "warmup-ms", default_value_t = 0)]
     warmup_ms: u64,
+    #[arg(long = "count-ms")]
+    count_ms: u64,
     #[arg(long)]
     spin: bool,
 }
@@ -72,6 +74,7 @@ pub(super) fn run_reader(a: BenchReaderArgs) -> Result<(), CliError> {
         &a.shm,
         Duration::from_millis(a.run_ms),
         Duration::from_millis(a.warmup_ms),
+        Duration::from_millis(a.count_ms),
         a.spin,
     )
     .map_err(CliError::Failed)
@@ -161,7 +164,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 .arg("--shm")
                 .arg(&shm)
                 .args(["--ring-size", &a.ring_size])
-                .env("RUST_LOG", "warn")
+                .env("RUST_LOG", "error")
                 .stdout(Stdio::null())
                 .spawn()
                 .map_err(|e| CliError::Setup(format!("cannot start kvbridge serve: {e}")))?;
