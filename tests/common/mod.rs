@@ -33,35 +33,13 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn start(rank: u32) -> Engine {
-        let _ = rank;
+    /// A simulated engine on fresh loopback ports.
+    pub fn start(_rank: u32) -> Engine {
         let (port, rport) = (free_port(), free_port());
-        let endpoint = format!("tcp://127.0.0.1:{port}");
-        let replay = format!("tcp://127.0.0.1:{rport}");
-        let (tx, rx) = mpsc::channel::<Job>();
-        let (ep, rp) = (endpoint.clone(), replay.clone());
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let thread = std::thread::spawn(move || {
-            let ctx = zmq::Context::new();
-            let mut p =
-                EnginePublisher::bind(&ctx, &ep, Some(&rp), "").expect("bind engine sockets");
-            ready_tx.send(()).unwrap();
-            loop {
-                match rx.recv_timeout(Duration::from_millis(1)) {
-                    Ok(job) => job(&mut p),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                }
-                p.serve_replay();
-            }
-        });
-        ready_rx.recv().unwrap();
-        Engine {
-            tx,
-            endpoint,
-            replay,
-            thread: Some(thread),
-        }
+        Engine::start_at(
+            &format!("tcp://127.0.0.1:{port}"),
+            &format!("tcp://127.0.0.1:{rport}"),
+        )
     }
 
     /// Runs `f` on the engine thread and returns its result.
