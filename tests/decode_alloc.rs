@@ -17,15 +17,18 @@ unsafe impl GlobalAlloc for Counting {
         if ON.with(|c| c.get()) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
+        // SAFETY: forwards the caller's contract (non-zero-size `l`) to the system allocator.
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: `p` came from `System` with layout `l` (every allocation goes through here).
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
         if ON.with(|c| c.get()) {
             ALLOCS.fetch_add(1, Ordering::Relaxed);
         }
+        // SAFETY: as for `dealloc`; `n` is the caller's valid new size.
         unsafe { System.realloc(p, l, n) }
     }
 }

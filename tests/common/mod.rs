@@ -159,6 +159,7 @@ impl Bridge {
 
     /// SIGTERM, then wait for a clean exit.
     pub fn stop(mut self) -> std::process::ExitStatus {
+        // SAFETY: kill(2) on our own child's pid; it has not been waited for, so the pid is ours.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
