@@ -448,6 +448,34 @@ async fn tls_and_bearer_token_accept_and_reject() {
         metric(&scrape(maddr), "kvbridge_auth_failures_total", &[]),
         3.0
     );
+    // The `subscribe` command speaks TLS and sends the token too.
+    let cli = |with_token: bool| {
+        let mut c = std::process::Command::new(bin());
+        c.args([
+            "subscribe",
+            "--grpc",
+            &format!("localhost:{}", bridge.grpc.port()),
+            "--count",
+            "3",
+        ])
+        .arg("--tls-ca")
+        .arg(&cert)
+        .env_remove("KVBRIDGE_AUTH_TOKEN");
+        if with_token {
+            c.arg("--auth-token-file").arg(&tok);
+        }
+        c.output().unwrap()
+    };
+    let ok = cli(true);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).lines().count(), 3);
+    let denied = cli(false);
+    assert_eq!(denied.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&denied.stderr).contains("Unauthenticated"));
     drop(sub);
     bridge.stop();
 }

@@ -36,17 +36,50 @@ pub struct SubscribeArgs {
     /// Select one rank's stream (`kvbridge-dp-rank` metadata; needs `serve --dp-mode metadata`).
     #[arg(long)]
     rank: Option<u32>,
+    /// Trust this PEM CA (or self-signed certificate) and connect with TLS.
+    #[arg(long = "tls-ca", value_name = "FILE")]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Server name to verify with TLS (default: the host in --grpc).
+    #[arg(long = "tls-domain", value_name = "NAME")]
+    tls_domain: Option<String>,
+    /// Bearer token file for a bridge started with a token (or env `KVBRIDGE_AUTH_TOKEN`).
+    #[arg(long = "auth-token-file", value_name = "FILE")]
+    auth_token_file: Option<std::path::PathBuf>,
 }
 
 pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
     let rt = super::runtime()?;
     rt.block_on(async move {
-        let uri = if a.grpc.contains("://") { a.grpc.clone() } else { format!("http://{}", a.grpc) };
-        let endpoint = tonic::transport::Endpoint::from_shared(uri.clone())
+        let scheme = if a.tls_ca.is_some() { "https" } else { "http" };
+        let uri = if a.grpc.contains("://") { a.grpc.clone() } else { format!("{scheme}://{}", a.grpc) };
+        let mut endpoint = tonic::transport::Endpoint::from_shared(uri.clone())
             .map_err(|e| CliError::Setup(format!("--grpc {:?}: {e}", a.grpc)))?
             .connect_timeout(std::time::Duration::from_secs(5));
+        if let Some(ca) = &a.tls_ca {
+            let pem = std::fs::read(ca).map_err(|e| CliError::Setup(format!("--tls-ca {}: {e}", ca.display())))?;
+            let mut tls = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(pem));
+            if let Some(d) = &a.tls_domain {
+                tls = tls.domain_name(d.clone());
+            }
+            endpoint = endpoint.tls_config(tls).map_err(|e| CliError::Setup(format!("--tls-ca {}: {e}", ca.display())))?;
+        }
+        let token = match &a.auth_token_file {
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| CliError::Setup(format!("--auth-token-file {}: {e}", f.display())))?
+                    .trim()
+                    .to_string(),
+            ),
+            None => std::env::var("KVBRIDGE_AUTH_TOKEN").ok().map(|t| t.trim().to_string()),
+        };
         let channel = endpoint.connect().await.map_err(|e| CliError::Setup(format!("--grpc {uri}: cannot connect: {e}")))?;
         let mut req = tonic::Request::new(SubscribeKvEventsRequest { start_sequence_number: a.from, load_records_before_first_batch: false });
+        if let Some(t) = token.filter(|t| !t.is_empty()) {
+            let v = format!("Bearer {t}")
+                .parse()
+                .map_err(|_| CliError::Setup("the auth token is not a valid header value".into()))?;
+            req.metadata_mut().insert("authorization", v);
+        }
         if let Some(r) = a.rank {
             req.metadata_mut().insert(crate::fanout::DP_RANK_HEADER, r.to_string().parse().expect("digits are valid metadata"));
         }
