@@ -193,16 +193,26 @@ impl Fanout {
                 .inc();
             start + 1
         };
-        match reader.seek(next) {
-            Ok(()) => {}
-            Err(SeekError::TooOld { oldest, newest, .. }) => {
-                // The writer moved on between the window read and the seek.
-                return Err(self.status(too_old(start, oldest, newest)));
-            }
-            Err(SeekError::Future { newest, .. }) => {
-                return Err(self.status(Status::out_of_range(format!(
+        let mut next = next;
+        let mut attempts = 0;
+        loop {
+            match reader.seek(next) {
+                Ok(()) => break,
+                // The writer moved on between the window read and the seek. A fresh subscriber
+                // (S = 0) simply starts at the new oldest record; a resume is now too old.
+                Err(SeekError::TooOld { oldest, .. }) if start == 0 && attempts < 100 => {
+                    attempts += 1;
+                    next = oldest;
+                    continue;
+                }
+                Err(SeekError::TooOld { oldest, newest, .. }) => {
+                    return Err(self.status(too_old(start, oldest, newest)));
+                }
+                Err(SeekError::Future { newest, .. }) => {
+                    return Err(self.status(Status::out_of_range(format!(
                     "start_sequence_number {start} is ahead of newest {newest}; resubscribe from 0"
                 ))));
+                }
             }
         }
         Ok(Subscription {

@@ -229,6 +229,25 @@ pub async fn collect_until(
     got
 }
 
+/// Like [`collect_until`], but a stream error is returned instead of failing the test.
+pub async fn try_collect_until(
+    s: &mut tonic::Streaming<KvEventBatch>,
+    timeout: Duration,
+    mut pred: impl FnMut(&[KvEventBatch]) -> bool,
+) -> Result<Vec<KvEventBatch>, tonic::Status> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !pred(&got) {
+        match tokio::time::timeout_at(deadline, s.message()).await {
+            Ok(Ok(Some(b))) => got.push(b),
+            Ok(Ok(None)) => panic!("stream ended after {} batches", got.len()),
+            Ok(Err(st)) => return Err(st),
+            Err(_) => panic!("timed out after {} batches", got.len()),
+        }
+    }
+    Ok(got)
+}
+
 /// Stored block hashes of a batch list, in order (as u64 patterns).
 pub fn stored_hashes(batches: &[KvEventBatch]) -> Vec<u64> {
     batches
