@@ -116,6 +116,29 @@ fn parent(out: &mut Vec<u8>, layout: Layout, p: &Option<u64>) {
     }
 }
 
+/// The keys a map-form `BlockStored` always carries (required even when nil), `type` first.
+fn map_store_required(
+    o: &mut Vec<u8>,
+    layout: Layout,
+    hs: &[u64],
+    p: &Option<u64>,
+    t: &[u32],
+    bs: u32,
+) {
+    key(o, "type");
+    key(o, "BlockStored");
+    key(o, "block_hashes");
+    hashes(o, layout, hs);
+    key(o, "parent_block_hash");
+    parent(o, layout, p);
+    key(o, "token_ids");
+    tokens(o, t);
+    key(o, "block_size");
+    enc::write_uint(o, bs as u64).expect("vec write");
+    key(o, "lora_id");
+    enc::write_nil(o).expect("vec write");
+}
+
 /// Encodes one batch `[ts, events, rank]` (or `[ts, events]` for vLLM 0.9.0) in `layout`.
 pub fn encode_batch(layout: Layout, ts: f64, events: &[SimEvent], rank: u32) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
@@ -154,20 +177,9 @@ fn event(o: &mut Vec<u8>, layout: Layout, e: &SimEvent) {
                 medium,
             },
         ) => {
-            // vLLM 0.33 sizes the header for all 16 possible keys: map16 with 8 entries.
+            // vLLM 0.33 sizes the header for all 16 possible keys: map16 (here 9 entries).
             o.extend_from_slice(&[0xde, 0x00, 0x09]);
-            key(o, "type");
-            key(o, "BlockStored");
-            key(o, "block_hashes");
-            hashes(o, layout, hs);
-            key(o, "parent_block_hash");
-            parent(o, layout, p);
-            key(o, "token_ids");
-            tokens(o, t);
-            key(o, "block_size");
-            enc::write_uint(o, *block_size as u64).expect("vec write");
-            key(o, "lora_id");
-            enc::write_nil(o).expect("vec write");
+            map_store_required(o, layout, hs, p, t, *block_size);
             key(o, "medium");
             opt_str(o, medium);
             key(o, "lora_name");
@@ -186,18 +198,7 @@ fn event(o: &mut Vec<u8>, layout: Layout, e: &SimEvent) {
             },
         ) => {
             enc::write_map_len(o, if medium.is_some() { 7 } else { 6 }).expect("vec write");
-            key(o, "type");
-            key(o, "BlockStored");
-            key(o, "block_hashes");
-            hashes(o, layout, hs);
-            key(o, "parent_block_hash");
-            parent(o, layout, p);
-            key(o, "token_ids");
-            tokens(o, t);
-            key(o, "block_size");
-            enc::write_uint(o, *block_size as u64).expect("vec write");
-            key(o, "lora_id");
-            enc::write_nil(o).expect("vec write");
+            map_store_required(o, layout, hs, p, t, *block_size);
             if medium.is_some() {
                 key(o, "medium");
                 opt_str(o, medium);

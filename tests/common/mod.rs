@@ -96,6 +96,23 @@ pub struct Bridge {
     pub stderr_log: PathBuf,
 }
 
+/// `serve --grpc GRPC --shm SHM --metrics METRICS EXTRA…`.
+fn serve_args(grpc: SocketAddr, shm: &Path, metrics: &str, extra: &[String]) -> Vec<String> {
+    let mut args = vec![
+        "serve".to_string(),
+        "--grpc".into(),
+        grpc.to_string(),
+        "--shm".into(),
+    ];
+    args.extend([
+        shm.display().to_string(),
+        "--metrics".into(),
+        metrics.to_string(),
+    ]);
+    args.extend(extra.iter().cloned());
+    args
+}
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_kvbridge")
 }
@@ -105,16 +122,7 @@ impl Bridge {
     /// waits until gRPC accepts connections.
     pub fn start(dir: &Path, shm: &Path, extra: &[String]) -> Bridge {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--grpc".into(),
-            grpc.to_string(),
-            "--shm".into(),
-            shm.display().to_string(),
-        ];
-        args.extend(["--metrics".to_string(), "off".to_string()]);
-        args.extend(extra.iter().cloned());
-        Self::start_args(dir, grpc, shm, args)
+        Self::start_args(dir, grpc, shm, serve_args(grpc, shm, "off", extra))
     }
 
     pub fn start_args(dir: &Path, grpc: SocketAddr, shm: &Path, args: Vec<String>) -> Bridge {
@@ -341,16 +349,7 @@ impl Bridge {
     pub fn start_with_metrics(dir: &Path, shm: &Path, extra: &[String]) -> (Bridge, SocketAddr) {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--grpc".into(),
-            grpc.to_string(),
-            "--shm".into(),
-            shm.display().to_string(),
-            "--metrics".into(),
-            metrics.to_string(),
-        ];
-        args.extend(extra.iter().cloned());
+        let args = serve_args(grpc, shm, &metrics.to_string(), extra);
         (Self::start_args(dir, grpc, shm, args), metrics)
     }
 }
