@@ -1,13 +1,40 @@
 #!/usr/bin/env bash
-# Everything CI checks. The README's test command is the first step.
+# Everything CI checks, fast gates first. Run from anywhere: `bash scripts/test.sh`.
+#
+#   1. formatting, lints (-D warnings), docs (-D warnings)     — seconds to minutes, fail early
+#   2. the repository stands alone: no file outside it is read or pointed at
+#   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
+#      that has no `shared/` beside it (a test reading ../shared fails to build there)
+#   4. the loom model of the shm ring protocol
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 export CARGO_TERM_COLOR=never
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 
-echo "== cargo test --release --workspace"
-cargo test --release --workspace
+echo "== cargo fmt --all --check"
+cargo fmt --all --check
 
-# The loom model of the ring protocol builds the shm crate with --cfg loom, in its own target
-# directory so that it does not invalidate the main build.
+echo "== cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== cargo doc --workspace --no-deps (RUSTDOCFLAGS=-D warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+
+echo "== standalone: nothing points outside the repository"
+bash scripts/check-standalone.sh
+
+echo "== standalone copy: cargo test --release --workspace"
+# A copy of the tracked files (as a clone would have them) in a folder with no siblings. The
+# target directory is shared with the checkout so dependencies are not built twice.
+ALONE=$(mktemp -d /tmp/kvbridge-alone.XXXXXX)
+trap 'rm -rf "$ALONE"' EXIT
+git ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 tar cf -) | tar xf - -C "$ALONE"
+test ! -e "$ALONE/../shared" || { echo "standalone copy has a sibling shared/"; exit 1; }
+(cd "$ALONE" && cargo test --release --workspace)
+
+# The loom model builds the shm crate with --cfg loom, in its own target directory so that it
+# does not invalidate the main build.
 echo "== loom model of the shm ring protocol"
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release -p kvbridge-shm --test loom
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/loom" \
+    cargo test --release -p kvbridge-shm --test loom

@@ -18,6 +18,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod decode;
 pub mod fanout;

@@ -48,10 +48,44 @@ pub use smg::grpc::common;
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/kvbridge_descriptor.bin"));
 
-/// The four HTTP/2 paths on which `SubscribeKvEvents` is served, identically.
-pub const SUBSCRIBE_PATHS: [&str; 4] = [
-    "/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents",
-    "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents",
-    "/tokenspeed.grpc.scheduler.TokenSpeedScheduler/SubscribeKvEvents",
-    "/trtllm.TrtllmService/SubscribeKvEvents",
+/// One engine service that carries `SubscribeKvEvents`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineService {
+    /// Short name (`kvbridge subscribe --engine NAME`).
+    pub engine: &'static str,
+    /// Fully-qualified gRPC service name.
+    pub service: &'static str,
+    /// HTTP/2 path of its `SubscribeKvEvents` method.
+    pub path: &'static str,
+}
+
+/// The four engine services on which `SubscribeKvEvents` is served, identically
+/// (docs/smg-api.md §2). The one list of them: the server, the CLI and the bench read it, and a
+/// test checks it against the generated servers.
+pub const ENGINE_SERVICES: [EngineService; 4] = [
+    EngineService {
+        engine: "vllm",
+        service: "vllm.grpc.engine.VllmEngine",
+        path: "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents",
+    },
+    EngineService {
+        engine: "sglang",
+        service: "sglang.grpc.scheduler.SglangScheduler",
+        path: "/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents",
+    },
+    EngineService {
+        engine: "tokenspeed",
+        service: "tokenspeed.grpc.scheduler.TokenSpeedScheduler",
+        path: "/tokenspeed.grpc.scheduler.TokenSpeedScheduler/SubscribeKvEvents",
+    },
+    EngineService {
+        engine: "trtllm",
+        service: "trtllm.TrtllmService",
+        path: "/trtllm.TrtllmService/SubscribeKvEvents",
+    },
 ];
+
+/// The entry of [`ENGINE_SERVICES`] named `engine` (`vllm`, `sglang`, …).
+pub fn engine_service(engine: &str) -> Option<&'static EngineService> {
+    ENGINE_SERVICES.iter().find(|s| s.engine == engine)
+}

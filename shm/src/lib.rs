@@ -78,8 +78,15 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_debug_implementations)]
 
+/// The byte layout of `LAYOUT.md` as constants: offsets, sizes, magic numbers. Public because
+/// they *are* the specification other-language readers implement against.
 pub mod layout;
+/// The publish / read / lap protocol over atomics. Public only to the loom model
+/// (`--cfg loom`); everything else reaches it through [`RingWriter`] and [`RingReader`].
+#[cfg(loom)]
 pub mod protocol;
+#[cfg(not(loom))]
+mod protocol;
 mod sync;
 
 #[cfg(not(loom))]

@@ -258,6 +258,7 @@ impl<'a> Ring<'a> {
     }
 
     /// Writer: the data word at logical position `pos` (loom model payloads).
+    #[cfg(loom)]
     pub fn data_word(&self, pos: u64) -> &AtomicU64 {
         self.word(pos)
     }

@@ -427,27 +427,51 @@ impl std::fmt::Debug for RecordView<'_> {
 }
 
 impl RecordView<'_> {
+    /// The record's sequence number.
     pub fn seq(&self) -> u64 {
         self.seq
     }
+    /// The record's metadata (validated with the header).
     pub fn meta(&self) -> RecordMeta {
         self.meta
     }
-    /// The payload, in place. May change under you if the writer laps this
-    /// reader: check [`is_intact`](Self::is_intact) after consuming it.
-    pub fn payload(&self) -> &[u8] {
+    /// Pointer to the payload's first byte in the mapping (in bounds: asserted).
+    fn payload_ptr(&self) -> *const u8 {
         let m = &*self.r.m;
         let off = m.geo.data_off as usize + m.ring().payload_offset(self.pos);
         assert!(off + self.len <= m.map.len());
-        // SAFETY: in bounds (asserted; `Ring::read` also proved the record
-        // lies inside the data area). The bytes live in a MAP_SHARED mapping
-        // that another process may rewrite once it laps us; we never create
-        // a `&mut` to them in this process (readers are read-only), and the
-        // consumer is told by `is_intact` whether what it read is the record
-        // that was validated. This is the same contract as Aeron's
-        // broadcast receiver and every seqlock.
-        unsafe { std::slice::from_raw_parts(m.map.as_ptr().add(off), self.len) }
+        // SAFETY: `off + len` is within the mapping (asserted above; `Ring::read` also proved
+        // the record lies inside the data area), so the offset pointer stays in the allocation.
+        unsafe { m.map.as_ptr().add(off) }
     }
+
+    /// Payload length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The payload, in place (zero-copy).
+    ///
+    /// # Safety
+    ///
+    /// The bytes live in a shared mapping that the writer process rewrites once it laps this
+    /// reader, so the returned slice can change while it is borrowed. The caller must treat
+    /// everything read through it as untrusted and possibly torn: parse it defensively (no
+    /// `unsafe` decisions based on it), and call [`is_intact`](Self::is_intact) *after* the
+    /// last read; if that returns `false`, discard every result derived from the bytes. Use
+    /// [`copy_to`](Self::copy_to) for a validated copy without these obligations.
+    pub unsafe fn payload(&self) -> &[u8] {
+        // SAFETY: in bounds (see `payload_ptr`); this process never writes the mapping (it is
+        // mapped read-only), and the caller has accepted the torn-read contract above (the
+        // same contract as Aeron's broadcast receiver and every seqlock).
+        unsafe { std::slice::from_raw_parts(self.payload_ptr(), self.len) }
+    }
+
     /// Re-check after consuming the payload. `false`: the writer began
     /// overwriting this record; discard what was read. The reader's position
     /// is then moved back to this record so that the next `next()` reports
@@ -463,7 +487,15 @@ impl RecordView<'_> {
     /// `false`: lapped during the copy, `out` must be discarded.
     pub fn copy_to(&self, out: &mut Vec<u8>) -> bool {
         out.clear();
-        out.extend_from_slice(self.payload());
+        out.reserve(self.len);
+        // SAFETY: the source range is in bounds (`payload_ptr`), the destination has `len`
+        // bytes of reserved capacity and does not overlap the mapping. The copy goes through
+        // raw pointers (no reference to racing memory is formed); whether the writer touched
+        // the bytes meanwhile is decided by `is_intact` below, before the caller sees them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.payload_ptr(), out.as_mut_ptr(), self.len);
+            out.set_len(self.len);
+        }
         self.is_intact()
     }
 }

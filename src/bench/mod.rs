@@ -227,7 +227,7 @@ impl Publisher {
                 // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
                 unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
                 let start = Instant::now();
-                let wall0 = crate::ring::unix_seconds();
+                let wall0 = crate::clock::unix_seconds();
                 let period_ns = 1e9 / rate as f64;
                 let mut i: u64 = 0;
                 while !sc.load(Ordering::Relaxed) {

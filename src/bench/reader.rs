@@ -141,8 +141,10 @@ pub fn run_reader(
             ReadOutcome::Record(v) => {
                 let seq = v.seq();
                 let ingest_ns = v.meta().ingest_ns;
-                let head = wire::seq_and_ts(v.payload());
-                let now_ns = crate::ring::unix_nanos();
+                // SAFETY: zero-copy read under the torn-read contract: `seq_and_ts` parses
+                // untrusted bytes defensively, and `is_intact` is checked before use below.
+                let head = wire::seq_and_ts(unsafe { v.payload() });
+                let now_ns = crate::clock::unix_nanos();
                 let now = now_ns as f64 / 1e9;
                 if !v.is_intact() {
                     continue;

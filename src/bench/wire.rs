@@ -99,8 +99,7 @@ pub async fn subscriber(
         out.delivery.errors += 1;
         return out;
     }
-    let path =
-        http::uri::PathAndQuery::from_static("/vllm.grpc.engine.VllmEngine/SubscribeKvEvents");
+    let path = http::uri::PathAndQuery::from_static(crate::proto::ENGINE_SERVICES[0].path);
     // Start at the head: the bench measures live delivery, not a replay of the window.
     let req = SubscribeKvEventsRequest {
         start_sequence_number: 0,
@@ -121,7 +120,7 @@ pub async fn subscriber(
         tokio::select! {
             m = stream.message() => match m {
                 Ok(Some(b)) => {
-                    let now = crate::ring::unix_seconds();
+                    let now = crate::clock::unix_seconds();
                     let Some((seq, ts)) = seq_and_ts(&b) else { continue };
                     let counting = measuring.load(Ordering::Relaxed);
                     if let Some(l) = last {

@@ -11,7 +11,7 @@ use super::CliError;
 use crate::config::{DpMode, ServeArgs, ServeConfig};
 use crate::fanout::{EdgeOptions, Fanout};
 use crate::health::UpstreamState;
-use crate::ingest::{self, Ingest, Targets};
+use crate::ingest::{Ingest, Targets};
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
@@ -123,13 +123,13 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         group_read: cfg.shm_group_read,
     };
     let (merged, recovered) =
-        RingHub::open("merged", &cfg.shm, &opts).map_err(|e| setup(format!("--shm: {e}")))?;
+        RingHub::open("merged", &cfg.shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
     tracing::info!(path = %cfg.shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
             let path = rank_ring_path(&cfg.shm, r.rank);
-            let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts)
+            let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
                 .map_err(|e| setup(format!("--shm: {e}")))?;
             rank_hubs.push(hub);
         }
@@ -158,21 +158,11 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         upstream.clone(),
     )
     .map_err(|e| setup(e.to_string()))?;
-    metrics
-        .ring_capacity
-        .with_label_values(&[merged.label()])
-        .set(cfg.ring_size as i64);
-    for h in &rank_hubs {
-        metrics
-            .ring_capacity
-            .with_label_values(&[h.label()])
-            .set(cfg.ring_size as i64);
-    }
 
     let mut hubs = vec![merged.clone()];
     hubs.extend(rank_hubs.iter().cloned());
     let heartbeat_stop = Arc::new(AtomicBool::new(false));
-    let heartbeat = ingest::spawn_heartbeat(hubs.clone(), metrics.clone(), heartbeat_stop.clone());
+    let heartbeat = crate::ring::spawn_heartbeat(hubs.clone(), heartbeat_stop.clone());
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let fanout = Arc::new(Fanout::new(

@@ -3,20 +3,7 @@
 use prost::Message;
 
 use super::{BatchPrinter, CliError};
-use crate::proto::common::SubscribeKvEventsRequest;
-
-/// Which service path to call (all four are served identically).
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum Engine {
-    /// `/vllm.grpc.engine.VllmEngine/SubscribeKvEvents`
-    Vllm,
-    /// `/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents`
-    Sglang,
-    /// `/tokenspeed.grpc.scheduler.TokenSpeedScheduler/SubscribeKvEvents`
-    Tokenspeed,
-    /// `/trtllm.TrtllmService/SubscribeKvEvents`
-    Trtllm,
-}
+use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 
 /// `kvbridge subscribe` flags.
 #[derive(clap::Args, Debug)]
@@ -30,9 +17,9 @@ pub struct SubscribeArgs {
     /// Stop after this many batches (default: run until the stream ends).
     #[arg(long)]
     count: Option<u64>,
-    /// Service path to call.
-    #[arg(long, value_enum, default_value = "vllm")]
-    engine: Engine,
+    /// Which engine's service path to call (all are served identically).
+    #[arg(long, default_value = "vllm", value_parser = engine_names())]
+    engine: String,
     /// Select one rank's stream (`kvbridge-dp-rank` metadata; needs `serve --dp-mode metadata`).
     #[arg(long)]
     rank: Option<u32>,
@@ -83,15 +70,12 @@ pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
         if let Some(r) = a.rank {
             req.metadata_mut().insert(crate::fanout::DP_RANK_HEADER, r.to_string().parse().expect("digits are valid metadata"));
         }
-        use crate::proto::*;
-        let resp = match a.engine {
-            Engine::Vllm => vllm::grpc::engine::vllm_engine_client::VllmEngineClient::new(channel).subscribe_kv_events(req).await,
-            Engine::Sglang => sglang::grpc::scheduler::sglang_scheduler_client::SglangSchedulerClient::new(channel).subscribe_kv_events(req).await,
-            Engine::Tokenspeed => {
-                tokenspeed::grpc::scheduler::token_speed_scheduler_client::TokenSpeedSchedulerClient::new(channel).subscribe_kv_events(req).await
-            }
-            Engine::Trtllm => trtllm::trtllm_service_client::TrtllmServiceClient::new(channel).subscribe_kv_events(req).await,
-        };
+        let service = crate::proto::engine_service(&a.engine).expect("clap checked --engine");
+        let path = http::uri::PathAndQuery::from_static(service.path);
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.map_err(|e| CliError::Setup(format!("--grpc {uri}: {e}")))?;
+        let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
+        let resp = grpc.server_streaming(req, path, codec).await;
         let mut stream = resp.map_err(status_error)?.into_inner();
         let printer = BatchPrinter::new();
         let mut seen = 0u64;
@@ -113,6 +97,11 @@ pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
         }
         Ok(())
     })
+}
+
+/// `--engine` accepts the short names of [`crate::proto::ENGINE_SERVICES`].
+fn engine_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(crate::proto::ENGINE_SERVICES.map(|s| s.engine))
 }
 
 fn status_error(s: tonic::Status) -> CliError {

@@ -58,7 +58,7 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
                 let mut out = stdout.lock();
                 let r = if a.meta {
                     let lat_us =
-                        crate::ring::unix_nanos().saturating_sub(meta.ingest_ns) as f64 / 1e3;
+                        crate::clock::unix_nanos().saturating_sub(meta.ingest_ns) as f64 / 1e3;
                     writeln!(
                         out,
                         "{{\"seq\":{seq},\"rank\":{},\"engineSeq\":{},\"flags\":{},\"ageUs\":{lat_us:.1},\"batch\":{json}}}",

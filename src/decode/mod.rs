@@ -123,11 +123,14 @@ mod error;
 mod pb;
 mod plan;
 mod reader;
+mod source;
 mod stats;
 mod write;
 
 pub use error::{DecodeError, DecodeErrorKind};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
+pub use crate::ring::RecordHeader;
+pub use source::{ClearedBatch, PlannedBatch};
 pub use stats::DecodeStats;
 
 /// Which events reach the SMG endpoint (smg-api.md §5 "SMG filter profile").
@@ -168,17 +171,6 @@ impl Default for DecodeConfig {
             max_blocks_per_event: 1 << 20,
         }
     }
-}
-
-/// Per-record values the caller decides (the ring assigns numbers).
-#[derive(Clone, Copy, Debug)]
-pub struct RecordHeader {
-    /// `KvEventBatch.sequence_number` (≥ 1).
-    pub sequence_number: u64,
-    /// `event_id` of the record's first event; later events count up by one.
-    pub first_event_id: u64,
-    /// `KvEventBatch.dp_rank`, sent only when `Some`.
-    pub dp_rank: Option<i32>,
 }
 
 /// Result of pass 1.

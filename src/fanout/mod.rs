@@ -25,7 +25,7 @@ use tonic::Status;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
-pub use service::{router, router_with, serve, service_names, EdgeOptions};
+pub use service::{router_with, serve, service_names, EdgeOptions};
 
 /// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
 /// bytes as they are, so tonic's codec copies them to the transport buffer without re-encoding.
@@ -367,11 +367,6 @@ impl Subscription {
         Status::data_loss(format!(
             "fell behind: last delivered {last}, oldest retained {oldest}, {missed} batches missed; resubscribe from 0"
         ))
-    }
-
-    /// The path this subscription came in on.
-    pub fn path(&self) -> &'static str {
-        self.path
     }
 
     /// Newest sequence minus the one `next_batch` returned last.

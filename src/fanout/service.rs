@@ -30,6 +30,10 @@ mod generated {
         include!(concat!(env!("OUT_DIR"), "/server/trtllm.rs"));
     }
 }
+use generated::sglang::sglang_scheduler_server::SglangSchedulerServer;
+use generated::tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer;
+use generated::trtllm::trtllm_service_server::TrtllmServiceServer;
+use generated::vllm::vllm_engine_server::VllmEngineServer;
 use generated::*;
 
 /// The response stream of every path.
@@ -105,7 +109,7 @@ impl PathHandler {
                         metrics.subscriber_lag.observe(sub.lag() as f64);
                         let t = sub.last_ingest_ns();
                         if t > 0 {
-                            let now = crate::ring::unix_nanos();
+                            let now = crate::clock::unix_nanos();
                             latency.observe(now.saturating_sub(t) as f64 * 1e-9);
                         }
                     }
@@ -162,22 +166,24 @@ pub struct EdgeOptions {
 
 /// The fully-qualified names of the four `SubscribeKvEvents` services.
 pub fn service_names() -> Vec<&'static str> {
-    use tonic::server::NamedService;
-    vec![
-        <sglang::sglang_scheduler_server::SglangSchedulerServer<PathHandler> as NamedService>::NAME,
-        <vllm::vllm_engine_server::VllmEngineServer<PathHandler> as NamedService>::NAME,
-        <tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer<PathHandler> as NamedService>::NAME,
-        <trtllm::trtllm_service_server::TrtllmServiceServer<PathHandler> as NamedService>::NAME,
-    ]
+    crate::proto::ENGINE_SERVICES
+        .iter()
+        .map(|s| s.service)
+        .collect()
 }
 
-/// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically, with default
-/// edge options (no TLS, no token, no health service) plus reflection.
-pub fn router(fanout: Arc<Fanout>) -> tonic::transport::server::Router {
-    router_with(fanout, &EdgeOptions::default()).expect("router without TLS")
+/// The handler for generated server `S`: its path comes from [`crate::proto::ENGINE_SERVICES`],
+/// looked up by the generated service name, so the table and the servers cannot disagree.
+fn path_of<S: tonic::server::NamedService>() -> &'static str {
+    crate::proto::ENGINE_SERVICES
+        .iter()
+        .find(|s| s.service == S::NAME)
+        .map(|s| s.path)
+        .unwrap_or_else(|| panic!("{} is missing from ENGINE_SERVICES", S::NAME))
 }
 
-/// As [`router`], with TLS, the token, the stream limit and health from `opts`.
+/// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically, plus
+/// reflection, with TLS, the token, the stream limit and health from `opts`.
 pub fn router_with(
     fanout: Arc<Fanout>,
     opts: &EdgeOptions,
@@ -188,7 +194,6 @@ pub fn router_with(
         path,
         auth: auth.clone(),
     };
-    let p = crate::proto::SUBSCRIBE_PATHS;
     let mut builder = server_builder().max_concurrent_streams(opts.max_streams_per_connection);
     if let Some(tls) = &opts.tls {
         let identity = tonic::transport::Identity::from_pem(&tls.cert, &tls.key);
@@ -205,16 +210,18 @@ pub fn router_with(
     // Records are kept under 4 MiB by the decoder's split threshold; the encode limit is left
     // at tonic's default (unlimited) so a limit here can never turn a valid record into an error.
     let mut router = builder
-        .add_service(sglang::sglang_scheduler_server::SglangSchedulerServer::new(
-            h(p[0]),
-        ))
-        .add_service(vllm::vllm_engine_server::VllmEngineServer::new(h(p[1])))
-        .add_service(
-            tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer::new(h(p[2])),
-        )
-        .add_service(trtllm::trtllm_service_server::TrtllmServiceServer::new(h(
-            p[3],
-        )))
+        .add_service(SglangSchedulerServer::new(h(path_of::<
+            SglangSchedulerServer<PathHandler>,
+        >())))
+        .add_service(VllmEngineServer::new(h(path_of::<
+            VllmEngineServer<PathHandler>,
+        >())))
+        .add_service(TokenSpeedSchedulerServer::new(h(path_of::<
+            TokenSpeedSchedulerServer<PathHandler>,
+        >())))
+        .add_service(TrtllmServiceServer::new(h(path_of::<
+            TrtllmServiceServer<PathHandler>,
+        >())))
         .add_service(v1)
         .add_service(v1alpha);
     if let Some(reporter) = &opts.health {
@@ -250,4 +257,24 @@ pub async fn serve(
     router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every generated server has its row in the table, and every row a server.
+    #[test]
+    fn engine_services_match_the_generated_servers() {
+        let paths = [
+            path_of::<SglangSchedulerServer<PathHandler>>(),
+            path_of::<VllmEngineServer<PathHandler>>(),
+            path_of::<TokenSpeedSchedulerServer<PathHandler>>(),
+            path_of::<TrtllmServiceServer<PathHandler>>(),
+        ];
+        for s in crate::proto::ENGINE_SERVICES {
+            assert!(paths.contains(&s.path), "{} has no server", s.service);
+            assert_eq!(s.path, format!("/{}/SubscribeKvEvents", s.service));
+        }
+    }
 }

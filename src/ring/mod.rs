@@ -1,20 +1,27 @@
 //! The service's side of the shared-memory ring (`kvbridge-shm`): one [`RingHub`] per ring file.
 //!
-//! The hub is where decoded batches become numbered records. It owns the ring's only writer
-//! (behind a mutex, because every ingest rank publishes into the merged ring), assigns
-//! `event_id`s, keeps the most recent records as shared [`Bytes`] so that live subscribers copy
-//! nothing of their own, and wakes in-process subscribers after each commit. Readers in other
-//! processes use the ring file directly and are woken by the ring's futex.
+//! The hub is where encoded records get their numbers. It owns the ring's only writer (behind a
+//! mutex, because every ingest rank publishes into the merged ring), assigns `event_id`s, keeps
+//! the most recent records as shared [`Bytes`] ([`cache`]) so that live subscribers copy nothing
+//! of their own, counts what it wrote ([`gauges`]), and wakes in-process subscribers after each
+//! commit. Readers in other processes use the ring file directly and are woken by the ring's
+//! futex.
 //!
-//! Why a cache beside the ring: a record in shared memory can be overwritten while a reader
-//! copies it, so every in-process subscriber would need its own validated copy. Copying once at
-//! commit time into a reference-counted buffer lets thousands of live subscribers share it.
+//! What a record contains is the source's business ([`RecordSource`]): the ring never imports
+//! the decoder.
+//!
+//! Ordering: a record is pushed to the cache and `newest` is raised while the writer lock is
+//! held, so `newest` only moves forward and the cache always ends at `newest`, whichever rank
+//! publishes. A subscriber that sees `newest ≥ s` finds `s` in the cache or in the ring.
 
-use std::collections::VecDeque;
+mod cache;
+mod gauges;
+mod source;
+
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_shm::{ReadOutcome, RecordMeta, RingReader, RingWriter, ShmError, WriterOptions};
@@ -22,41 +29,11 @@ use parking_lot::{Mutex, RwLock};
 use prost::Message;
 use thiserror::Error;
 
-use crate::decode::{self, BatchPlan, Decoder, RecordHeader};
-
-/// Record flag: a batch kvbridge synthesized (an in-band clear), not an engine batch.
-pub const FLAG_SYNTHESIZED: u32 = 1;
-
-/// Why kvbridge inserted a `cleared` event (smg-api.md §6.4). Stored in record flags bits 8..16.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ClearCause {
-    /// The engine's sequence went back: a new incarnation with an empty cache.
-    EngineRestart = 1,
-    /// A gap with no replay endpoint, or one replay could not fill.
-    UnfillableGap = 2,
-    /// The engine's replay buffer no longer held the start of the gap.
-    MissingHistory = 3,
-    /// A batch that could not be decoded (or was empty) consumed a sequence number.
-    Undecodable = 4,
-    /// Live batches overflowed the buffer kept during a replay.
-    ReplayOverflow = 5,
-    /// A `BlockRemoved` could not be decoded: the index would keep a stale block.
-    LostRemoval = 6,
-}
-
-impl ClearCause {
-    /// Metric label.
-    pub fn label(self) -> &'static str {
-        match self {
-            ClearCause::EngineRestart => "engine_restart",
-            ClearCause::UnfillableGap => "unfillable_gap",
-            ClearCause::MissingHistory => "missing_history",
-            ClearCause::Undecodable => "undecodable",
-            ClearCause::ReplayOverflow => "replay_overflow",
-            ClearCause::LostRemoval => "lost_removal",
-        }
-    }
-}
+use crate::metrics::Metrics;
+use cache::{RecentCache, CACHE_MAX_BYTES};
+use gauges::RingMetrics;
+pub use gauges::spawn_heartbeat;
+pub use source::{ClearCause, RecordHeader, RecordSource, FLAG_SYNTHESIZED};
 
 /// Ring errors at the service edge.
 #[derive(Debug, Error)]
@@ -72,47 +49,6 @@ pub enum RingError {
     /// Writing a record failed.
     #[error("ring write: {0}")]
     Write(#[from] ShmError),
-}
-
-/// Most recent records as shared bytes with their ingest time (Unix ns), indexed by sequence
-/// number.
-struct RecentCache {
-    first_seq: u64,
-    items: VecDeque<(Bytes, u64)>,
-    bytes: usize,
-}
-
-const CACHE_MAX_ITEMS: usize = 8192;
-const CACHE_MAX_BYTES: usize = 32 << 20;
-
-impl RecentCache {
-    #[cfg(test)]
-    fn push(&mut self, seq: u64, b: Bytes, max_bytes: usize) {
-        self.push_at(seq, b, 0, max_bytes)
-    }
-    fn push_at(&mut self, seq: u64, b: Bytes, ingest_ns: u64, max_bytes: usize) {
-        if self.items.is_empty() || seq != self.first_seq + self.items.len() as u64 {
-            self.items.clear();
-            self.bytes = 0;
-            self.first_seq = seq;
-        }
-        self.bytes += b.len();
-        self.items.push_back((b, ingest_ns));
-        while self.items.len() > CACHE_MAX_ITEMS || (self.bytes > max_bytes && self.items.len() > 1)
-        {
-            if let Some((old, _)) = self.items.pop_front() {
-                self.bytes -= old.len();
-                self.first_seq += 1;
-            }
-        }
-    }
-    fn get(&self, seq: u64) -> Option<Bytes> {
-        self.get_at(seq).map(|(b, _)| b)
-    }
-    fn get_at(&self, seq: u64) -> Option<(Bytes, u64)> {
-        let i = seq.checked_sub(self.first_seq)?;
-        self.items.get(i as usize).cloned()
-    }
 }
 
 struct WriterState {
@@ -134,15 +70,18 @@ pub struct RingHub {
     /// is also inside the ring's retained window.
     cache_max_bytes: usize,
     notify: tokio::sync::Notify,
+    metrics: RingMetrics,
 }
 
-/// What one engine batch became.
+/// What one source became.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Published {
     /// Records written.
     pub records: usize,
     /// Their total encoded size.
     pub bytes: usize,
+    /// Sequence number of the last record written (0: none).
+    pub last_seq: u64,
 }
 
 /// What a freshly opened hub found in its ring.
@@ -155,11 +94,13 @@ pub struct Recovered {
 }
 
 impl RingHub {
-    /// Opens (adopting) or creates the ring at `path`.
+    /// Opens (adopting) or creates the ring at `path`. `label` names it in logs and metrics
+    /// (`merged`, `rank-1`, …); only the merged ring feeds the record-size histogram.
     pub fn open(
         label: &str,
         path: &Path,
         opts: &WriterOptions,
+        metrics: &Metrics,
     ) -> Result<(Arc<Self>, Recovered), RingError> {
         let err = |source| RingError::Open {
             path: path.display().to_string(),
@@ -172,40 +113,15 @@ impl RingHub {
             adopted,
             ..Default::default()
         };
-        let mut next_event_id = 1;
-        if adopted {
-            // Continue event ids after the newest record, and learn each rank's last upstream
-            // sequence so that ingest can ask the engine's replay for exactly what it missed.
-            let mut r = reader.clone();
-            let mut buf = Vec::new();
-            loop {
-                match r.next() {
-                    ReadOutcome::Record(v) => {
-                        let meta = v.meta();
-                        if !v.copy_to(&mut buf) {
-                            continue;
-                        }
-                        if meta.flags & FLAG_SYNTHESIZED == 0 {
-                            recovered
-                                .last_upstream
-                                .insert(meta.dp_rank, meta.upstream_seq);
-                        }
-                        if let Ok(batch) =
-                            crate::proto::common::KvEventBatch::decode(buf.as_slice())
-                        {
-                            if let Some(max) = batch.events.iter().map(|e| e.event_id).max() {
-                                next_event_id = next_event_id.max(max + 1);
-                            }
-                        }
-                    }
-                    ReadOutcome::Lapped { .. } => continue,
-                    _ => break,
-                }
-            }
-        }
+        let next_event_id = if adopted {
+            recover(&reader, &mut recovered)
+        } else {
+            1
+        };
         let newest = writer.newest();
         let oldest = writer.oldest();
-        let cache_max_bytes = (writer.capacity() / 4).min(CACHE_MAX_BYTES);
+        let capacity = writer.capacity();
+        let cache_max_bytes = (capacity / 4).min(CACHE_MAX_BYTES);
         let hub = Arc::new(RingHub {
             label: label.to_string(),
             writer: Mutex::new(WriterState {
@@ -213,15 +129,12 @@ impl RingHub {
                 next_event_id,
             }),
             reader: Mutex::new(reader),
-            cache: RwLock::new(RecentCache {
-                first_seq: 0,
-                items: VecDeque::new(),
-                bytes: 0,
-            }),
+            cache: RwLock::new(RecentCache::default()),
             newest: AtomicU64::new(newest),
             oldest: AtomicU64::new(oldest),
             cache_max_bytes,
             notify: tokio::sync::Notify::new(),
+            metrics: RingMetrics::new(metrics, label, capacity as u64, label == "merged"),
         });
         Ok((hub, recovered))
     }
@@ -231,93 +144,67 @@ impl RingHub {
         &self.label
     }
 
-    /// Publishes every record of a planned engine batch.
-    pub fn publish_batch(
+    /// Publishes every record of `src`, numbered contiguously, with `dp_rank` in each record
+    /// header and `meta` in each record's ring metadata.
+    pub fn publish(
         &self,
-        dec: &Decoder,
-        plan: &BatchPlan,
-        payload: &[u8],
+        src: &dyn RecordSource,
         dp_rank: Option<i32>,
         meta: RecordMeta,
     ) -> Result<Published, RingError> {
         let mut out = Published::default();
         let mut st = self.writer.lock();
-        for i in 0..plan.records {
+        for i in 0..src.records() {
             let hdr = RecordHeader {
                 sequence_number: st.writer.next_seq(),
                 first_event_id: st.next_event_id,
                 dp_rank,
             };
-            let len = dec.record_len(i, &hdr);
+            let len = src.record_len(i, &hdr);
             let mut slot = st.writer.reserve(len)?;
-            let written = dec.write_record(payload, i, &hdr, slot.buf());
+            let written = src.write_record(i, &hdr, slot.buf());
             debug_assert_eq!(written, len);
             let shared = Bytes::copy_from_slice(&slot.buf()[..len]);
             let seq = slot.seq();
             slot.commit(meta);
-            st.next_event_id += dec.record_events(i);
+            st.next_event_id += src.record_events(i);
             out.records += 1;
             out.bytes += len;
+            out.last_seq = seq;
+            if let Some(h) = &self.metrics.record_size {
+                h.observe(len as f64);
+            }
+            // Under the writer lock (see the module docs): cache first, then `newest`.
             self.cache
                 .write()
-                .push_at(seq, shared, meta.ingest_ns, self.cache_max_bytes);
+                .push(seq, shared, meta.ingest_ns, self.cache_max_bytes);
             self.oldest.store(st.writer.oldest(), Ordering::Release);
             self.newest.store(seq, Ordering::Release);
         }
         drop(st);
-        if plan.records > 0 {
+        if out.records > 0 {
+            self.metrics.records.inc_by(out.records as u64);
+            self.metrics.bytes.inc_by(out.bytes as u64);
             self.notify.notify_waiters();
         }
         Ok(out)
     }
 
-    /// Publishes a synthesized batch with one `cleared` event (engine restart, unfillable gap).
-    pub fn publish_clear(
-        &self,
-        dp_rank: Option<i32>,
-        rank: u32,
-        upstream_seq: u64,
-        cause: ClearCause,
-    ) -> Result<u64, RingError> {
-        let mut buf = Vec::with_capacity(32);
-        let mut st = self.writer.lock();
-        let hdr = RecordHeader {
-            sequence_number: st.writer.next_seq(),
-            first_event_id: st.next_event_id,
-            dp_rank,
-        };
-        let len = decode::encode_cleared(&hdr, unix_seconds(), &mut buf);
-        let mut slot = st.writer.reserve(len)?;
-        slot.buf().copy_from_slice(&buf[..len]);
-        let seq = slot.seq();
-        let ingest_ns = unix_nanos();
-        slot.commit(RecordMeta {
-            dp_rank: rank,
-            upstream_seq,
-            flags: FLAG_SYNTHESIZED | ((cause as u32) << 8),
-            ingest_ns,
-        });
-        st.next_event_id += 1;
-        self.oldest.store(st.writer.oldest(), Ordering::Release);
-        drop(st);
-        buf.truncate(len);
-        self.cache
-            .write()
-            .push_at(seq, Bytes::from(buf), ingest_ns, self.cache_max_bytes);
-        self.newest.store(seq, Ordering::Release);
-        self.notify.notify_waiters();
-        Ok(seq)
-    }
-
-    /// Bytes of the ring's data area holding retained records (fill = this / capacity).
-    pub fn used_bytes(&self) -> u64 {
-        let c = self.writer.lock().writer.cursor();
-        c.tail.saturating_sub(c.head)
-    }
-
     /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale).
-    pub fn heartbeat(&self) {
+    fn heartbeat(&self) {
         self.writer.lock().writer.heartbeat();
+    }
+
+    /// Oldest, newest, bytes retained and capacity, in one consistent view.
+    fn fill(&self) -> (u64, u64, u64, u64) {
+        let st = self.writer.lock();
+        let c = st.writer.cursor();
+        (
+            st.writer.oldest(),
+            st.writer.newest(),
+            c.tail.saturating_sub(c.head),
+            st.writer.capacity() as u64,
+        )
     }
 
     /// A new reader on this ring (shares the read-only mapping).
@@ -341,14 +228,9 @@ impl RingHub {
         self.oldest.load(Ordering::Acquire)
     }
 
-    /// The encoded record `seq` if it is still in the recent cache.
-    pub fn cached(&self, seq: u64) -> Option<Bytes> {
-        self.cache.read().get(seq)
-    }
-
     /// The encoded record `seq` and its ingest time (Unix ns), if still in the recent cache.
     pub fn cached_at(&self, seq: u64) -> Option<(Bytes, u64)> {
-        self.cache.read().get_at(seq)
+        self.cache.read().get(seq)
     }
 
     /// Resolves when a record newer than `seq` may exist (or after `max_wait`).
@@ -368,44 +250,33 @@ impl RingHub {
     }
 }
 
-/// Wall clock in seconds (timestamps of synthesized batches).
-pub fn unix_seconds() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
-/// Wall clock in nanoseconds (record ingest time).
-pub fn unix_nanos() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cache_indexes_by_seq_and_evicts() {
-        let mut c = RecentCache {
-            first_seq: 0,
-            items: VecDeque::new(),
-            bytes: 0,
-        };
-        for s in 10..10 + CACHE_MAX_ITEMS as u64 + 5 {
-            c.push(s, Bytes::from(s.to_le_bytes().to_vec()), CACHE_MAX_BYTES);
+/// Walks an adopted ring: learns each rank's last upstream sequence (so that ingest can ask the
+/// engine's replay for exactly what it missed) and returns the event id to continue from.
+fn recover(reader: &RingReader, recovered: &mut Recovered) -> u64 {
+    let mut next_event_id = 1;
+    let mut r = reader.clone();
+    let mut buf = Vec::new();
+    loop {
+        match r.next() {
+            ReadOutcome::Record(v) => {
+                let meta = v.meta();
+                if !v.copy_to(&mut buf) {
+                    continue;
+                }
+                if meta.flags & FLAG_SYNTHESIZED == 0 {
+                    recovered
+                        .last_upstream
+                        .insert(meta.dp_rank, meta.upstream_seq);
+                }
+                if let Ok(batch) = crate::proto::common::KvEventBatch::decode(buf.as_slice()) {
+                    if let Some(max) = batch.events.iter().map(|e| e.event_id).max() {
+                        next_event_id = next_event_id.max(max + 1);
+                    }
+                }
+            }
+            ReadOutcome::Lapped { .. } => continue,
+            _ => break,
         }
-        assert!(c.get(10).is_none());
-        assert_eq!(c.get(15).unwrap().as_ref(), &15u64.to_le_bytes());
-        let last = 10 + CACHE_MAX_ITEMS as u64 + 4;
-        assert_eq!(c.get(last).unwrap().as_ref(), &last.to_le_bytes());
-        assert!(c.get(last + 1).is_none());
-        // A discontinuity restarts the cache instead of mis-indexing.
-        c.push(last + 10, Bytes::from_static(b"x"), CACHE_MAX_BYTES);
-        assert!(c.get(last).is_none());
-        assert_eq!(c.get(last + 10).unwrap().as_ref(), b"x");
     }
+    next_event_id
 }

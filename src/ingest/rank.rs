@@ -1,0 +1,223 @@
+//! One rank's thread: its SUB (with a socket monitor), the poll loop, frame validation, and
+//! hand-off of each valid batch to the state machine.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::replay::ZmqReplay;
+use super::sink::RingSink;
+use super::upstream::{RankState, ReplaySource};
+use super::{wire, IngestError};
+use crate::config::RankEndpoint;
+use crate::health::UpstreamState;
+use crate::metrics::RankMetrics;
+
+/// Socket monitor events the rank thread follows (engine-wire.md §1: the PUB side never says
+/// anything, so the transport is the only sign of a publisher).
+const MONITOR_EVENTS: i32 = zmq::SocketEvent::CONNECTED as i32
+    | zmq::SocketEvent::ACCEPTED as i32
+    | zmq::SocketEvent::DISCONNECTED as i32
+    | zmq::SocketEvent::CLOSED as i32;
+
+/// Creates the rank's SUB with a socket monitor (a PAIR receiving its connection events) attached
+/// before the SUB binds or connects, so no event is missed.
+pub(super) fn open_sub(
+    ctx: &zmq::Context,
+    rank: &RankEndpoint,
+    topic: &[u8],
+) -> Result<(zmq::Socket, zmq::Socket), IngestError> {
+    let err = |what, source| IngestError::Socket {
+        rank: rank.rank,
+        what,
+        endpoint: rank.endpoint.clone(),
+        source,
+    };
+    let sub = ctx.socket(zmq::SUB).map_err(|e| err("create SUB", e))?;
+    // engine-wire.md §1: the engine's PUB drops silently when our pipe is full.
+    sub.set_rcvhwm(100_000).map_err(|e| err("set RCVHWM", e))?;
+    sub.set_linger(0).map_err(|e| err("set LINGER", e))?;
+    sub.set_ipv6(true).map_err(|e| err("enable IPv6", e))?;
+    sub.set_subscribe(topic).map_err(|e| err("subscribe", e))?;
+    let mon_ep = format!("inproc://kvbridge-monitor-rank-{}", rank.rank);
+    sub.monitor(&mon_ep, MONITOR_EVENTS)
+        .map_err(|e| err("monitor", e))?;
+    let monitor = ctx.socket(zmq::PAIR).map_err(|e| err("create PAIR", e))?;
+    monitor.set_linger(0).map_err(|e| err("set LINGER", e))?;
+    monitor
+        .connect(&mon_ep)
+        .map_err(|e| err("connect monitor", e))?;
+    if rank.bind {
+        sub.bind(&rank.endpoint).map_err(|e| err("bind", e))?;
+    } else {
+        sub.connect(&rank.endpoint).map_err(|e| err("connect", e))?;
+    }
+    Ok((sub, monitor))
+}
+
+/// Parses a socket monitor message: `[u16 event LE, u32 value LE]` then the endpoint.
+fn parse_monitor_event(frames: &[Vec<u8>]) -> Option<(u16, String)> {
+    let first = frames.first()?;
+    if first.len() < 6 {
+        return None;
+    }
+    let event = u16::from_le_bytes([first[0], first[1]]);
+    let endpoint = frames
+        .get(1)
+        .map(|e| String::from_utf8_lossy(e).into_owned())
+        .unwrap_or_default();
+    Some((event, endpoint))
+}
+
+/// One rank's thread state.
+pub(super) struct RankWorker {
+    pub(super) io: RankIo,
+    pub(super) monitor: zmq::Socket,
+    pub(super) upstream: Arc<UpstreamState>,
+    pub(super) state: RankState,
+    pub(super) sink: RingSink,
+}
+
+/// A rank's sockets and settings: what the receive loop and the replay client share.
+pub(super) struct RankIo {
+    pub(super) rank: RankEndpoint,
+    pub(super) ctx: zmq::Context,
+    pub(super) sub: zmq::Socket,
+    pub(super) topic: Vec<u8>,
+    pub(super) stop: Arc<AtomicBool>,
+    pub(super) replay_timeout: Duration,
+    pub(super) m: RankMetrics,
+}
+
+impl RankIo {
+    /// The replay client, when this rank has a replay endpoint.
+    fn replay(&self) -> Option<ZmqReplay<'_>> {
+        let endpoint = self.rank.replay.as_deref()?;
+        Some(ZmqReplay::new(self, endpoint))
+    }
+}
+
+/// Receives one multipart message into reusable buffers; returns the frame count (frames past
+/// the third are received into a scratch message and only counted). `Ok(None)`: nothing ready.
+fn recv_message(
+    sock: &zmq::Socket,
+    bufs: &mut [zmq::Message; 3],
+) -> Result<Option<usize>, zmq::Error> {
+    let mut n = 0;
+    let mut extra = zmq::Message::new();
+    loop {
+        let m = if n < 3 { &mut bufs[n] } else { &mut extra };
+        match sock.recv(m, if n == 0 { zmq::DONTWAIT } else { 0 }) {
+            Ok(()) => {}
+            Err(zmq::Error::EAGAIN) if n == 0 => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        n += 1;
+        if !m.get_more() {
+            return Ok(Some(n));
+        }
+    }
+}
+
+impl RankWorker {
+    pub(super) fn run(mut self) {
+        tracing::info!(rank = self.io.rank.rank, endpoint = %self.io.rank.endpoint, bind = self.io.rank.bind,
+            replay = ?self.io.rank.replay, "ingest started");
+        if let Some(mut rep) = self.io.replay() {
+            self.state.catch_up(&mut self.sink, &mut rep);
+        }
+        let mut bufs = [
+            zmq::Message::new(),
+            zmq::Message::new(),
+            zmq::Message::new(),
+        ];
+        while !self.io.stop.load(Ordering::Relaxed) {
+            // Also when idle, so the exported counters catch up after a burst.
+            self.sink.flush_decoder_metrics(false);
+            let (data, events) = {
+                let mut items = [
+                    self.io.sub.as_poll_item(zmq::POLLIN),
+                    self.monitor.as_poll_item(zmq::POLLIN),
+                ];
+                match zmq::poll(&mut items, 100) {
+                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
+                    Err(e) => {
+                        tracing::error!(rank = self.io.rank.rank, error = %e, "poll failed");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                }
+            };
+            if events {
+                self.drain_monitor();
+            }
+            if !data {
+                continue;
+            }
+            // Drain what is ready, then look at the stop flag again.
+            for _ in 0..4096 {
+                let n = match recv_message(&self.io.sub, &mut bufs) {
+                    Ok(Some(n)) => n,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::error!(rank = self.io.rank.rank, error = %e, "recv failed");
+                        break;
+                    }
+                };
+                let frames: [&[u8]; 3] = [&bufs[0], &bufs[1], &bufs[2]];
+                let seq = match wire::live_seq(&frames[..n.min(3)], &self.io.topic).and_then(|s| {
+                    if n > 3 {
+                        Err(wire::Drop::FrameCount)
+                    } else {
+                        Ok(s)
+                    }
+                }) {
+                    Ok(s) => s,
+                    Err(d) => {
+                        self.io.m.frame_dropped(d.label());
+                        self.sink
+                            .warn_limited(d.label(), "dropped a malformed ZMQ message");
+                        continue;
+                    }
+                };
+                let payload: &[u8] = &bufs[2];
+                let mut rep = self.io.replay();
+                let rep = rep.as_mut().map(|r| r as &mut dyn ReplaySource);
+                self.state.on_live(seq, payload, &mut self.sink, rep);
+            }
+            self.sink.flush_decoder_metrics(false);
+        }
+        self.sink.flush_decoder_metrics(true);
+        tracing::info!(rank = self.io.rank.rank, "ingest stopped");
+    }
+}
+
+impl RankWorker {
+    /// Applies every pending socket monitor event to the shared upstream state and metrics.
+    fn drain_monitor(&mut self) {
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            let Some((event, endpoint)) = parse_monitor_event(&frames) else {
+                continue;
+            };
+            let rank = self.io.rank.rank;
+            match zmq::SocketEvent::from_raw(event) {
+                zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
+                    self.io.m.connects.inc();
+                    let n = self.upstream.on_connect(rank);
+                    self.io.m.connected.set(n);
+                    tracing::info!(rank, %endpoint, connections = n, "engine publisher connected");
+                }
+                zmq::SocketEvent::DISCONNECTED => {
+                    self.io.m.disconnects.inc();
+                    let n = self.upstream.on_disconnect(rank);
+                    self.io.m.connected.set(n);
+                    tracing::warn!(rank, %endpoint, connections = n, "engine publisher disconnected");
+                }
+                other => {
+                    tracing::debug!(rank, %endpoint, event = ?other, "socket event");
+                }
+            }
+        }
+    }
+}
+

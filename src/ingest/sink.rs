@@ -1,0 +1,134 @@
+//! The end of ingest: decode each batch once, straight into the rank's ring(s).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::upstream::Sink;
+use super::Targets;
+use crate::decode::{ClearedBatch, Decoder};
+use crate::metrics::RankMetrics;
+use crate::ring::{ClearCause, RingHub};
+
+/// Decodes each batch once and publishes it into the rank's ring(s).
+pub(super) struct RingSink {
+    rank: u32,
+    decoder: Decoder,
+    targets: Targets,
+    m: RankMetrics,
+    warned: std::collections::HashMap<&'static str, (Instant, u64)>,
+    last_flush: Instant,
+}
+
+impl RingSink {
+    pub(super) fn new(rank: u32, decoder: Decoder, targets: Targets, m: RankMetrics) -> Self {
+        RingSink {
+            rank,
+            decoder,
+            targets,
+            m,
+            warned: Default::default(),
+            last_flush: Instant::now(),
+        }
+    }
+
+    /// Logs at most one warning per kind every 10 s, with the count suppressed meanwhile.
+    pub(super) fn warn_limited(&mut self, kind: &'static str, msg: &str) {
+        let now = Instant::now();
+        let e = self
+            .warned
+            .entry(kind)
+            .or_insert((now - Duration::from_secs(3600), 0));
+        if now.duration_since(e.0) >= Duration::from_secs(10) {
+            tracing::warn!(rank = self.rank, kind, suppressed = e.1, "{msg}");
+            *e = (now, 0);
+        } else {
+            e.1 += 1;
+        }
+    }
+
+    /// Exports the decoder's counters (at most every 500 ms unless `force`).
+    pub(super) fn flush_decoder_metrics(&mut self, force: bool) {
+        if !force && self.last_flush.elapsed() < Duration::from_millis(500) {
+            return;
+        }
+        self.last_flush = Instant::now();
+        for (kind, value) in self.decoder.stats().counters() {
+            self.m.decoder_set(kind, value);
+        }
+    }
+}
+
+/// Each ring this rank feeds, with whether its records carry `dp_rank`.
+fn ring_targets(t: &Targets) -> impl Iterator<Item = (&Arc<RingHub>, bool)> {
+    std::iter::once((&t.merged, t.merged_sends_rank)).chain(t.own.iter().map(|h| (h, true)))
+}
+
+impl Sink for RingSink {
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        self.m.batches.inc();
+        if payload.is_empty() {
+            // Its seq is valid, so it is a lost batch (docs/engine-wire.md §1).
+            self.m.frame_dropped("empty_payload");
+            self.clear(seq, ClearCause::Undecodable);
+            return;
+        }
+        let plan = match self.decoder.plan(payload) {
+            Ok(p) => p,
+            Err(e) => {
+                self.m.decode_error(e.kind.label());
+                let msg = format!("undecodable batch (engine seq {seq}): {e}");
+                self.warn_limited("undecodable", &msg);
+                self.clear(seq, ClearCause::Undecodable);
+                return;
+            }
+        };
+        if plan.lost_removals > 0 {
+            // A removal the index will never see leaves a stale block that routes requests to
+            // a worker that no longer holds it: reset this rank's state before the batch.
+            self.warn_limited(
+                "lost_removal",
+                "a BlockRemoved could not be decoded; signalling a clear",
+            );
+            self.clear(seq, ClearCause::LostRemoval);
+        }
+        let batch_rank = match plan.rank {
+            Some(r) => {
+                if r != self.rank as i64 {
+                    self.m.rank_mismatch.inc();
+                }
+                i32::try_from(r).unwrap_or(self.rank as i32)
+            }
+            None => self.rank as i32,
+        };
+        let meta = kvbridge_shm::RecordMeta {
+            dp_rank: self.rank,
+            upstream_seq: seq,
+            flags: 0,
+            ingest_ns: crate::clock::unix_nanos(),
+        };
+        let batch = self.decoder.planned(&plan, payload);
+        let mut failed = None;
+        for (hub, sends_rank) in ring_targets(&self.targets) {
+            if let Err(e) = hub.publish(&batch, sends_rank.then_some(batch_rank), meta) {
+                failed = Some(format!("ring {} write failed: {e}", hub.label()));
+            }
+        }
+        if let Some(msg) = failed {
+            self.warn_limited("ring_write", &msg);
+        }
+    }
+
+    fn clear(&mut self, upstream_seq: u64, cause: ClearCause) {
+        self.m.clear(cause.label());
+        let msg = format!("signalling a cleared cache in band (engine seq {upstream_seq})");
+        self.warn_limited(cause.label(), &msg);
+        let src = ClearedBatch::new(crate::clock::unix_seconds());
+        let meta = cause.meta(self.rank, upstream_seq);
+        for (hub, sends_rank) in ring_targets(&self.targets) {
+            let dp_rank = sends_rank.then_some(self.rank as i32);
+            if let Err(e) = hub.publish(&src, dp_rank, meta) {
+                tracing::error!(rank = self.rank, ring = hub.label(), error = %e, "cannot write the in-band clear");
+            }
+        }
+    }
+}

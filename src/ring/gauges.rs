@@ -1,0 +1,66 @@
+//! The ring's own metrics: what it wrote (counted at commit) and its window and fill (sampled by
+//! the heartbeat thread, which also keeps the writer's heartbeat fresh for readers).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use prometheus::{Gauge, Histogram, IntCounter, IntGauge};
+
+use super::RingHub;
+use crate::metrics::Metrics;
+
+/// Pre-resolved handles for one ring (label = the hub's label), so a commit hashes no labels.
+pub(super) struct RingMetrics {
+    pub(super) records: IntCounter,
+    pub(super) bytes: IntCounter,
+    /// Only the merged ring feeds the record-size histogram (per-rank rings hold copies).
+    pub(super) record_size: Option<Histogram>,
+    oldest: IntGauge,
+    newest: IntGauge,
+    used: IntGauge,
+    fill: Gauge,
+}
+
+impl RingMetrics {
+    pub(super) fn new(m: &Metrics, label: &str, capacity: u64, record_size: bool) -> Self {
+        let l = [label];
+        m.ring_capacity.with_label_values(&l).set(capacity as i64);
+        RingMetrics {
+            records: m.ring_records.with_label_values(&l),
+            bytes: m.ring_bytes.with_label_values(&l),
+            record_size: record_size.then(|| m.record_size.clone()),
+            oldest: m.ring_oldest.with_label_values(&l),
+            newest: m.ring_newest.with_label_values(&l),
+            used: m.ring_used.with_label_values(&l),
+            fill: m.ring_fill.with_label_values(&l),
+        }
+    }
+
+    fn sample(&self, hub: &RingHub) {
+        let (o, n, used, cap) = hub.fill();
+        self.oldest.set(o as i64);
+        self.newest.set(n as i64);
+        self.used.set(used as i64);
+        if cap > 0 {
+            self.fill.set(used as f64 / cap as f64);
+        }
+    }
+}
+
+/// Keeps every ring's heartbeat fresh and its gauges current (every 100 ms), until `stop`.
+pub fn spawn_heartbeat(hubs: Vec<Arc<RingHub>>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name("ring-heartbeat".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                for h in &hubs {
+                    h.heartbeat();
+                    h.metrics.sample(h);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+        .expect("spawn heartbeat thread")
+}
