@@ -8,7 +8,7 @@ out = root / "tests" / "corpus" / "decode-malformed"
 out.mkdir(parents=True, exist_ok=True)
 for f in out.glob("*.bin"):
     f.unlink()
-vec = json.load(open(root.parent / "shared" / "spec" / "vectors" / "engine-vectors.json"))["vectors"]
+vec = json.load(open(root / "tests" / "data" / "engine-vectors.json"))["vectors"]
 
 def put(name, data):
     (out / f"{name}.bin").write_bytes(bytes(data))

@@ -1,11 +1,11 @@
-//! The engine vectors of `shared/spec/vectors/engine-vectors.json` (payloads encoded by the
-//! engines' own encoders), shared by the decoder tests.
+//! The engine vectors of `tests/data/engine-vectors.json` (payloads encoded by the engines' own
+//! msgspec encoders, see `tests/data/README.md`), shared by the decoder tests.
 #![allow(dead_code)]
 
-/// The vector file, embedded at build time (CI has `shared/` beside the checkout).
+/// The vector file, embedded at build time from the repository's own test data.
 pub const VECTORS: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/spec/vectors/engine-vectors.json"
+    "/tests/data/engine-vectors.json"
 ));
 
 /// Hex to bytes.
