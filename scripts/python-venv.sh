@@ -5,7 +5,7 @@
 #
 # The interop test (tests/interop.rs, tests/interop/smg_stubs.py) talks to kvbridge with SMG's
 # *published* Python stubs, PyPI `smg-grpc-proto`, so it checks our wire against theirs rather than
-# against our own generated code. smg-api.md §8: test-only, exact version pins, never vendored —
+# against our own generated code. docs/smg-api.md §8: test-only, exact version pins, never vendored —
 # so the package is installed here, from PyPI, and nothing of it is copied into the repo.
 #
 # Needs only a Python >= 3.10 with pip (the package requires 3.10) and access to PyPI. Idempotent:

@@ -13,8 +13,8 @@
 //!
 //! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command),
 //! [`metrics`] (Prometheus) and [`health`] (upstream connections → `grpc.health.v1`). The wire
-//! formats are specified in `shared/spec/engine-wire.md` (engine side) and
-//! `shared/spec/smg-api.md` (gateway side).
+//! formats are specified in docs/engine-wire.md (engine side) and
+//! docs/smg-api.md (gateway side).
 
 pub mod bench;
 pub mod cli;

@@ -1,4 +1,4 @@
-//! Every engine vector (engine-wire.md, 18 releases) decodes to its `expected` meaning, and the
+//! Every engine vector (docs/engine-wire.md, 18 releases) decodes to its `expected` meaning, and the
 //! two worked examples of engine-wire §11 encode byte-identically to prost.
 use kvbridge::decode::{DecodeConfig, Decoder, Profile, RecordHeader};
 use kvbridge::proto::common::{

@@ -7,7 +7,7 @@
 //! label or number, written from the spec tables) would round-trip unnoticed in the Rust tests.
 //! SMG's generated code is the independent decoder: the Python side compares descriptors, then
 //! decodes every field of every batch the bridge sends on all four paths and checks them against
-//! what tonic decoded here, plus the resume cases of smg-api.md §6.2.
+//! what tonic decoded here, plus the resume cases of docs/smg-api.md §6.2.
 //!
 //! These tests FAIL (never skip) when Python or pip is unusable: CI always has them, and a skip
 //! would silently drop the only check against SMG's own code.
@@ -272,7 +272,7 @@ fn interesting_batches() -> Vec<(Layout, Vec<SimEvent>)> {
 }
 
 // Rich events: the sim's layouts leave most superset fields nil, so one batch is written by hand
-// in the map form of vLLM >= 0.30 / SGLang >= 0.5.22 (engine-wire.md §4, §5) with every optional
+// in the map form of vLLM >= 0.30 / SGLang >= 0.5.22 (docs/engine-wire.md §4, §5) with every optional
 // field the engines can send, several of them explicitly zero (presence must survive: absent and
 // 0 differ for G2).
 const RICH_STORE: [u64; 2] = [0xF00D_0000_0000_0001, 0x7EED_0000_0000_0002];
@@ -496,7 +496,7 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
         // The smallest ring, so that the filler below wraps it and an old cursor is out of range.
         "--ring-size",
         "1MiB",
-        // Also a per-rank ring selected by request metadata (smg-api.md §7 (b)): its batches
+        // Also a per-rank ring selected by request metadata (docs/smg-api.md §7 (b)): its batches
         // carry `dp_rank`, the one KvEventBatch field the merged stream leaves unset.
         "--dp-mode",
         "metadata",

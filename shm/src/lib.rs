@@ -34,7 +34,7 @@
 //!   and continues at N + 1; a ring that must be re-created starts above any
 //!   number an old client could hold (H + 2, or Unix µs), so an old cursor is
 //!   classified as "too old" rather than landing in a different history
-//!   (`smg-api.md` §6.1).
+//!   (docs/smg-api.md §6.1).
 //! * **One writer, enforced by the kernel.** `flock(LOCK_EX)` on the ring
 //!   file; the kernel releases it when the writer dies, even by SIGKILL.
 //! * **Proved, not hoped.** The publish / read / lap protocol lives in

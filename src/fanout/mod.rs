@@ -1,6 +1,6 @@
 //! Fan-out: `SubscribeKvEvents` on the four SMG service paths, served from the ring.
 //!
-//! Every subscriber is one cursor walking the ring (smg-api.md §6.3 "Replay and live are one
+//! Every subscriber is one cursor walking the ring (docs/smg-api.md §6.3 "Replay and live are one
 //! cursor"): a resume replays `S+1 …` and then simply keeps reading as new records are
 //! committed, so there is no switch-over to get wrong. Records are encoded once, at ingest; a
 //! live subscriber gets the shared [`Bytes`] from the hub's recent-record cache, an older one a
@@ -60,7 +60,7 @@ impl prost::Message for EncodedBatch {
     }
 }
 
-/// Request metadata key selecting one rank's ring in `metadata` mode (smg-api.md §7 (b)).
+/// Request metadata key selecting one rank's ring in `metadata` mode (docs/smg-api.md §7 (b)).
 pub const DP_RANK_HEADER: &str = "kvbridge-dp-rank";
 
 /// Shared state of every subscription.
@@ -110,7 +110,7 @@ impl Fanout {
     }
 
     /// Classifies a request against one view of (O, N) and opens the subscription, or answers
-    /// with the status SMG gateways act on (smg-api.md §6.2). Runs before response headers.
+    /// with the status SMG gateways act on (docs/smg-api.md §6.2). Runs before response headers.
     pub fn subscribe(
         self: &Arc<Self>,
         path: &'static str,

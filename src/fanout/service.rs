@@ -1,5 +1,5 @@
 //! The tonic side: the four generated servers (from `proto/services/`), all delegating to one
-//! [`Fanout`], plus the HTTP/2 settings SMG gateways need (smg-api.md §3.1).
+//! [`Fanout`], plus the HTTP/2 settings SMG gateways need (docs/smg-api.md §3.1).
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -13,7 +13,7 @@ use crate::config::RankEndpoint;
 use crate::health::UpstreamState;
 use crate::metrics::RankMetrics;
 
-/// Socket monitor events the rank thread follows (engine-wire.md §1: the PUB side never says
+/// Socket monitor events the rank thread follows (docs/engine-wire.md §1: the PUB side never says
 /// anything, so the transport is the only sign of a publisher).
 const MONITOR_EVENTS: i32 = zmq::SocketEvent::CONNECTED as i32
     | zmq::SocketEvent::ACCEPTED as i32
@@ -34,7 +34,7 @@ pub(super) fn open_sub(
         source,
     };
     let sub = ctx.socket(zmq::SUB).map_err(|e| err("create SUB", e))?;
-    // engine-wire.md §1: the engine's PUB drops silently when our pipe is full.
+    // docs/engine-wire.md §1: the engine's PUB drops silently when our pipe is full.
     sub.set_rcvhwm(100_000).map_err(|e| err("set RCVHWM", e))?;
     sub.set_linger(0).map_err(|e| err("set LINGER", e))?;
     sub.set_ipv6(true).map_err(|e| err("enable IPv6", e))?;

@@ -1,11 +1,11 @@
-//! The per-publisher state machine of `engine-wire.md` §8, free of sockets so that it can be
+//! The per-publisher state machine of docs/engine-wire.md §8, free of sockets so that it can be
 //! tested exhaustively.
 //!
 //! One [`RankState`] follows one engine publisher (one DP rank). It sees each live batch's engine
 //! sequence number and decides: apply it, fill a gap through the engine's replay service, or
 //! report a discontinuity in band (a synthesized `cleared` event) before moving on. Nothing is
 //! ever skipped silently: every way of losing batches ends in a clear that downstream indexes act
-//! on (smg-api.md §6.4).
+//! on (docs/smg-api.md §6.4).
 
 use std::collections::VecDeque;
 

@@ -1,4 +1,4 @@
-//! Frame validation for the engine's two ZMQ message shapes (engine-wire.md §1 and §7).
+//! Frame validation for the engine's two ZMQ message shapes (docs/engine-wire.md §1 and §7).
 
 /// Why a live message was dropped before decoding (also the metric label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

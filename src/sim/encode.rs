@@ -29,7 +29,7 @@ pub enum SimEvent {
     Cleared,
 }
 
-/// Which engine release's msgpack layout to emit (engine-wire.md §5).
+/// Which engine release's msgpack layout to emit (docs/engine-wire.md §5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     /// vLLM 0.9.0: 2-element batch, 6-element stores, signed hashes.

@@ -2,7 +2,7 @@
 """Interop checks of kvbridge against SMG's *published* Python stubs (PyPI `smg-grpc-proto`).
 
 Run inside the venv made by `scripts/python-venv.sh` (the package is installed there from PyPI,
-pinned, never copied into this repo: smg-api.md §8). Driven by `tests/interop.rs`.
+pinned, never copied into this repo: docs/smg-api.md §8). Driven by `tests/interop.rs`.
 
 Modes:
 
@@ -18,7 +18,7 @@ Modes:
       paths and checks what it decodes against the expectation the Rust side collected with tonic
       from the same bridge: sequence numbers, every field of every event (explicit presence via
       HasField), no unknown fields, identical bytes on all paths (and equal to tonic's
-      re-encoding), the resume cases of smg-api.md §6.2, and, when the expectation has a
+      re-encoding), the resume cases of docs/smg-api.md §6.2, and, when the expectation has a
       `rank_stream`, a per-rank stream selected by request metadata, whose batches carry dp_rank.
       Prints `interop: N passed, M failed` last; exit 0 only if M = 0.
 
@@ -45,7 +45,7 @@ from google.protobuf import descriptor_pb2
 GENERATED = "smg_grpc_proto.generated"
 COMMON_PKG = "smg.grpc.common"
 
-# The four services that carry SubscribeKvEvents (smg-api.md §2), in the order the report uses.
+# The four services that carry SubscribeKvEvents (docs/smg-api.md §2), in the order the report uses.
 SERVICES = [
     ("sglang", "sglang.grpc.scheduler.SglangScheduler"),
     ("vllm", "vllm.grpc.engine.VllmEngine"),
@@ -216,7 +216,7 @@ def compare_descriptors(proto_dir):
                         mismatches.append(f"{name} field {num} {k}: ours {so[k]!r}, package {st[k]!r}")
             elif num in of:
                 # A field of ours the package does not declare: our proto must be SMG's superset
-                # and never add fields of its own (smg-api.md §1 rules).
+                # and never add fields of its own (docs/smg-api.md §1 rules).
                 mismatches.append(f"{name} field {num} ({of[num].name}): declared by us, absent from the package")
             else:
                 notes.append(f"{name} field {num} ({tf[num].name}): in the package only (newer than our superset)")
