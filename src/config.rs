@@ -679,10 +679,10 @@ pub struct RankEndpoint {
 pub const AUTH_TOKEN_ENV: &str = "KVBRIDGE_AUTH_TOKEN";
 
 fn read_pem(flag: &str, path: &Path, marker: &str) -> Result<Vec<u8>, ConfigError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| ConfigError::Invalid(format!("{flag} {}: {e}", path.display())))?;
+    let bytes =
+        std::fs::read(path).map_err(|e| invalid(format!("{flag} {}: {e}", path.display())))?;
     if !String::from_utf8_lossy(&bytes).contains(marker) {
-        return Err(ConfigError::Invalid(format!(
+        return Err(invalid(format!(
             "{flag} {}: not a PEM file (no {marker:?} block)",
             path.display()
         )));
@@ -693,23 +693,22 @@ fn read_pem(flag: &str, path: &Path, marker: &str) -> Result<Vec<u8>, ConfigErro
 fn resolve_token(file: Option<&Path>) -> Result<Option<String>, ConfigError> {
     let (text, from) = match file {
         Some(p) => (
-            std::fs::read_to_string(p).map_err(|e| {
-                ConfigError::Invalid(format!("--auth-token-file {}: {e}", p.display()))
-            })?,
+            std::fs::read_to_string(p)
+                .map_err(|e| invalid(format!("--auth-token-file {}: {e}", p.display())))?,
             format!("--auth-token-file {}", p.display()),
         ),
         None => match std::env::var(AUTH_TOKEN_ENV) {
             Ok(v) => (v, AUTH_TOKEN_ENV.to_string()),
             Err(std::env::VarError::NotPresent) => return Ok(None),
-            Err(e) => return Err(ConfigError::Invalid(format!("{AUTH_TOKEN_ENV}: {e}"))),
+            Err(e) => return Err(invalid(format!("{AUTH_TOKEN_ENV}: {e}"))),
         },
     };
     let token = text.trim();
     if token.is_empty() {
-        return Err(ConfigError::Invalid(format!("{from}: the token is empty")));
+        return Err(invalid(format!("{from}: the token is empty")));
     }
     if !token.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(ConfigError::Invalid(format!(
+        return Err(invalid(format!(
             "{from}: the token must be one line of printable ASCII without spaces"
         )));
     }
@@ -722,13 +721,13 @@ fn build_ranks(
     replay: &[String],
 ) -> Result<Vec<RankEndpoint>, ConfigError> {
     if zmq.is_empty() && zmq_bind.is_empty() {
-        return Err(ConfigError::Invalid(
-            "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT".into(),
+        return Err(invalid(
+            "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT",
         ));
     }
     let total = zmq.len() + zmq_bind.len();
     if replay.len() > total {
-        return Err(ConfigError::Invalid(format!(
+        return Err(invalid(format!(
             "{} --replay endpoints for {total} ranks: give at most one per --zmq/--zmq-bind, in the same order",
             replay.len()
         )));
@@ -741,12 +740,11 @@ fn build_ranks(
         .enumerate()
     {
         let flag = if bind { "--zmq-bind" } else { "--zmq" };
-        let endpoint = validate_endpoint(ep, !bind)
-            .map_err(|e| ConfigError::Invalid(format!("{flag} {ep:?}: {e}")))?;
+        let endpoint =
+            validate_endpoint(ep, !bind).map_err(|e| invalid(format!("{flag} {ep:?}: {e}")))?;
         let replay = match replay.get(i) {
             Some(r) => Some(
-                validate_endpoint(r, true)
-                    .map_err(|e| ConfigError::Invalid(format!("--replay {r:?}: {e}")))?,
+                validate_endpoint(r, true).map_err(|e| invalid(format!("--replay {r:?}: {e}")))?,
             ),
             None => None,
         };
@@ -761,14 +759,14 @@ fn build_ranks(
     for a in &ranks {
         for b in &ranks {
             if a.rank != b.rank && a.endpoint == b.endpoint {
-                return Err(ConfigError::Invalid(format!(
+                return Err(invalid(format!(
                     "rank {} and rank {} use the same endpoint {}",
                     a.rank, b.rank, a.endpoint
                 )));
             }
             if let Some(r) = &b.replay {
                 if *r == a.endpoint {
-                    return Err(ConfigError::Invalid(format!(
+                    return Err(invalid(format!(
                         "rank {}'s replay endpoint {r} is rank {}'s event endpoint (the engine's replay port collides with the next rank's PUB port)",
                         b.rank, a.rank
                     )));
