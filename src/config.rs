@@ -1,13 +1,19 @@
 //! Configuration for `kvbridge serve`: command-line flags, an optional TOML file, and the
 //! validated [`ServeConfig`] the service runs on.
 //!
-//! Every flag also exists in the TOML file under the same name (kebab-case); a flag given on the
-//! command line wins over the file. Validation happens here, before anything is started, so a
-//! bad value is reported as one line naming the problem (the CLI turns it into exit code 2).
+//! Every setting is defined once, as a field of the struct of its concern ([`EngineArgs`],
+//! [`RingArgs`], [`StreamingArgs`], [`SecurityArgs`], [`OpsArgs`]): that field is both the flag
+//! (clap) and the TOML key (serde), with the same kebab-case name, and its doc comment is the
+//! `--help` text. A flag given on the command line wins over the file. Each concern has one
+//! validator that turns it into its part of [`ServeConfig`], before anything is started, so a bad
+//! value is reported as one line naming the problem (the CLI turns it into exit code 2).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -21,12 +27,24 @@ pub const DEFAULT_METRICS: &str = "127.0.0.1:9464";
 pub const DEFAULT_RING_SIZE: u64 = 64 << 20;
 /// Smallest ring accepted (tests use small rings).
 pub const MIN_RING_SIZE: u64 = 1 << 20;
+/// Largest ring accepted: 1 TiB.
+pub const MAX_RING_SIZE: u64 = 1 << 40;
 /// Default split threshold for one record (smg-api.md §6.3).
 pub const DEFAULT_SPLIT_THRESHOLD: u64 = 1 << 20;
-/// Default health grace period (ms) after start-up and after the last upstream disconnect.
-pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
+/// Smallest split threshold accepted.
+pub const MIN_SPLIT_THRESHOLD: u64 = 4096;
 /// Records must stay below gRPC's default 4 MiB message limit (G1 gateways).
 pub const MAX_SPLIT_THRESHOLD: u64 = (4 << 20) - 64 * 1024;
+/// Default wait for the first replay reply and between replies (ms).
+pub const DEFAULT_REPLAY_TIMEOUT_MS: u64 = 2000;
+/// Default subscriber limit.
+pub const DEFAULT_MAX_SUBSCRIBERS: usize = 10_000;
+/// Default health grace period (ms) after start-up and after the last upstream disconnect.
+pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
+/// Longest health grace period accepted: a day (ms).
+pub const MAX_HEALTH_GRACE_MS: u64 = 24 * 3600 * 1000;
+/// The `--metrics` value that disables the Prometheus endpoint.
+pub const METRICS_OFF: &str = "off";
 
 /// A configuration problem; the message names the flag or key.
 #[derive(Debug, Error)]
@@ -50,6 +68,10 @@ pub enum ConfigError {
     /// A value is out of range or malformed.
     #[error("{0}")]
     Invalid(String),
+}
+
+fn invalid(message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid(message.into())
 }
 
 /// How multiple DP ranks are exposed (smg-api.md §7).
@@ -84,145 +106,502 @@ pub enum LogFormat {
     Json,
 }
 
-/// `kvbridge serve` flags. Every one is optional here so that the TOML file can supply it.
-#[derive(clap::Args, Debug, Default, Clone)]
-pub struct ServeArgs {
-    /// Engine publisher to connect a SUB to, one per DP rank (rank = position). A wildcard host
-    /// (`*`, `0.0.0.0`, `[::]`) is rewritten to loopback.
-    #[arg(long = "zmq", value_name = "ENDPOINT")]
-    pub zmq: Vec<String>,
-    /// Address for a SUB to bind (the engine's PUB connects, e.g. `tcp://127.0.0.1:5557`).
-    /// These ranks follow the `--zmq` ones.
-    #[arg(long = "zmq-bind", value_name = "ENDPOINT")]
-    pub zmq_bind: Vec<String>,
-    /// The engine's replay ROUTER for the rank in the same position (`--zmq` then `--zmq-bind`).
-    #[arg(long = "replay", value_name = "ENDPOINT")]
-    pub replay: Vec<String>,
-    /// ZMQ topic (default "": every topic). A non-empty topic is also compared exactly.
-    #[arg(long)]
-    pub topic: Option<String>,
-    /// gRPC listen address [default: 127.0.0.1:50061].
-    #[arg(long, value_name = "ADDR")]
-    pub grpc: Option<String>,
-    /// Ring file [default: /dev/shm/kvbridge-<grpc port>].
-    #[arg(long, value_name = "PATH")]
-    pub shm: Option<PathBuf>,
-    /// Ring data size, e.g. `64MiB`, `1048576` [default: 64MiB, minimum 1MiB].
-    #[arg(long = "ring-size", value_name = "BYTES")]
-    pub ring_size: Option<String>,
-    /// TOML file with any of these settings (flags win).
-    #[arg(long, value_name = "FILE.toml")]
-    pub config: Option<PathBuf>,
-    /// First sequence number of a brand-new ring (default: previous high-water + 2, else Unix µs).
-    #[arg(long = "seq-base", value_name = "N")]
-    pub seq_base: Option<u64>,
-    /// Engine batches encoding above this become several records [default: 1MiB, < 4MiB].
-    #[arg(long = "split-threshold", value_name = "BYTES")]
-    pub split_threshold: Option<String>,
-    /// Event filter profile [default: smg].
-    #[arg(long, value_enum)]
-    pub profile: Option<ProfileArg>,
-    /// Multi-rank mode [default: merged].
-    #[arg(long = "dp-mode", value_enum)]
-    pub dp_mode: Option<DpMode>,
-    /// Send `dp_rank` on the merged stream (breaks G2 gateways, see README).
-    #[arg(long = "send-dp-rank")]
-    pub send_dp_rank: bool,
-    /// Maximum concurrent subscribers; more get RESOURCE_EXHAUSTED [default: 10000].
-    #[arg(long = "max-subscribers", value_name = "N")]
-    pub max_subscribers: Option<usize>,
-    /// Time to wait for the first replay reply and between replies, in ms [default: 2000].
-    #[arg(long = "replay-timeout-ms", value_name = "MS")]
-    pub replay_timeout_ms: Option<u64>,
-    /// Make the ring file group-readable (0640 instead of 0600).
-    #[arg(long = "shm-group-read")]
-    pub shm_group_read: bool,
-    /// Prometheus listen address [default: 127.0.0.1:9464]; `off` disables it.
-    #[arg(long, value_name = "ADDR")]
-    pub metrics: Option<String>,
-    /// Log format [default: text].
-    #[arg(long = "log-format", value_enum)]
-    pub log_format: Option<LogFormat>,
-    /// Health stays SERVING this long after start-up and after the last upstream disconnect,
-    /// in ms [default: 10000].
-    #[arg(long = "health-grace-ms", value_name = "MS")]
-    pub health_grace_ms: Option<u64>,
-    /// TLS certificate chain (PEM) for gRPC; needs `--tls-key`.
-    #[arg(long = "tls-cert", value_name = "FILE")]
-    pub tls_cert: Option<PathBuf>,
-    /// TLS private key (PEM) for gRPC; needs `--tls-cert`.
-    #[arg(long = "tls-key", value_name = "FILE")]
-    pub tls_key: Option<PathBuf>,
-    /// File holding the bearer token gRPC subscribers must send (`authorization: Bearer …`);
-    /// the env var KVBRIDGE_AUTH_TOKEN is the alternative. The token is never a flag value.
-    #[arg(long = "auth-token-file", value_name = "FILE")]
-    pub auth_token_file: Option<PathBuf>,
-    /// HTTP/2 max concurrent streams per gRPC connection [default: h2's, unlimited by tonic].
-    #[arg(long = "max-streams-per-connection", value_name = "N")]
-    pub max_streams_per_connection: Option<u32>,
-}
-
-/// The same settings as read from a TOML file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
-struct FileConfig {
-    #[serde(default)]
-    zmq: Vec<String>,
-    #[serde(default)]
-    zmq_bind: Vec<String>,
-    #[serde(default)]
-    replay: Vec<String>,
-    topic: Option<String>,
-    grpc: Option<String>,
-    shm: Option<PathBuf>,
-    ring_size: Option<SizeValue>,
-    seq_base: Option<u64>,
-    split_threshold: Option<SizeValue>,
-    profile: Option<ProfileArg>,
-    dp_mode: Option<DpMode>,
-    send_dp_rank: Option<bool>,
-    max_subscribers: Option<usize>,
-    replay_timeout_ms: Option<u64>,
-    shm_group_read: Option<bool>,
-    metrics: Option<String>,
-    log_format: Option<LogFormat>,
-    health_grace_ms: Option<u64>,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-    auth_token_file: Option<PathBuf>,
-    max_streams_per_connection: Option<u32>,
+/// A byte size as written: `64MiB` or `1048576` (a flag value or a TOML string), or a TOML
+/// integer. It is parsed by the ring validator, not by clap or serde, so that a malformed size is
+/// reported like every other bad value: one line naming the flag or the key.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(from = "SizeValue")]
+pub enum ByteSize {
+    /// A flag value, e.g. `--ring-size 64MiB`.
+    Flag(String),
+    /// A TOML string, e.g. `ring-size = "64MiB"`.
+    Text(String),
+    /// A number of bytes, e.g. `ring-size = 67108864`.
+    Bytes(u64),
 }
 
 /// A size in TOML: a number of bytes or a string like "64MiB".
-#[derive(Debug, Deserialize)]
+#[derive(Deserialize)]
 #[serde(untagged)]
 enum SizeValue {
     Bytes(u64),
     Text(String),
 }
 
-impl SizeValue {
-    fn resolve(&self, what: &str) -> Result<u64, ConfigError> {
-        match self {
-            SizeValue::Bytes(n) => Ok(*n),
-            SizeValue::Text(s) => {
-                parse_size(s).map_err(|e| ConfigError::Invalid(format!("{what}: {e}")))
-            }
+impl From<SizeValue> for ByteSize {
+    fn from(v: SizeValue) -> Self {
+        match v {
+            SizeValue::Bytes(n) => ByteSize::Bytes(n),
+            SizeValue::Text(s) => ByteSize::Text(s),
         }
     }
 }
 
-/// One engine publisher (one DP rank).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RankEndpoint {
-    /// Rank index (position in the configuration).
-    pub rank: u32,
-    /// Endpoint for the SUB (already rewritten from a wildcard when connecting).
-    pub endpoint: String,
-    /// True: the SUB binds (the engine's PUB connects).
-    pub bind: bool,
-    /// The engine's replay ROUTER for this rank, if any.
-    pub replay: Option<String>,
+impl std::str::FromStr for ByteSize {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(ByteSize::Flag(s.to_string()))
+    }
+}
+
+impl ByteSize {
+    /// The size in bytes; `name` is the setting, for the error message.
+    fn bytes(&self, name: &str) -> Result<u64, ConfigError> {
+        match self {
+            ByteSize::Bytes(n) => Ok(*n),
+            ByteSize::Flag(s) => parse_size(s).map_err(|e| invalid(format!("--{name} {s:?}: {e}"))),
+            ByteSize::Text(s) => parse_size(s).map_err(|e| invalid(format!("{name}: {e}"))),
+        }
+    }
+}
+
+/// "A flag given on the command line wins over the file", per kind of setting.
+trait Merge {
+    fn merge(self, file: Self) -> Self;
+}
+
+impl<T> Merge for Option<T> {
+    fn merge(self, file: Self) -> Self {
+        self.or(file)
+    }
+}
+
+/// A repeatable flag replaces the file's whole list.
+impl<T> Merge for Vec<T> {
+    fn merge(self, file: Self) -> Self {
+        if self.is_empty() {
+            file
+        } else {
+            self
+        }
+    }
+}
+
+/// A switch can only turn a setting on (there is no `--no-…`), so either side enables it.
+impl Merge for bool {
+    fn merge(self, file: Self) -> Self {
+        self || file
+    }
+}
+
+/// Defines one concern: a struct whose every field is one setting, both a flag and a TOML key
+/// (kebab-case, absent keys take the field's `Default`), and its merge of flags over the file.
+macro_rules! concern {
+    (
+        $(#[$attr:meta])*
+        pub struct $name:ident {
+            $( $(#[$field_attr:meta])* pub $field:ident: $ty:ty, )*
+        }
+    ) => {
+        #[derive(clap::Args, Deserialize, Debug, Default, Clone)]
+        #[serde(default, rename_all = "kebab-case")]
+        $(#[$attr])*
+        pub struct $name {
+            $( $(#[$field_attr])* pub $field: $ty, )*
+        }
+
+        impl Merge for $name {
+            fn merge(self, file: Self) -> Self {
+                Self { $( $field: self.$field.merge(file.$field), )* }
+            }
+        }
+    };
+}
+
+/// `kvbridge serve` flags, which are also the keys of its TOML file. Every setting is optional
+/// here so that the file can supply it; [`ServeArgs::resolve`] merges and validates.
+#[derive(clap::Args, Deserialize, Debug, Default, Clone)]
+#[serde(rename_all = "kebab-case")]
+pub struct ServeArgs {
+    /// TOML file with any of these settings (flags win).
+    #[arg(long, value_name = "FILE.toml")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Engine input.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub engine: EngineArgs,
+    /// The ring.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub ring: RingArgs,
+    /// gRPC streaming.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub streaming: StreamingArgs,
+    /// TLS and the bearer token.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub security: SecurityArgs,
+    /// Metrics, logs, health.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub ops: OpsArgs,
+    /// Keys of a TOML file that name no setting (`deny_unknown_fields` does not work with
+    /// `flatten`); never set from flags, rejected by [`ServeArgs::resolve`].
+    #[arg(skip)]
+    #[serde(flatten)]
+    unknown: BTreeMap<String, IgnoredAny>,
+}
+
+impl ServeArgs {
+    /// Merges flags over the TOML file (if any) and validates the result.
+    pub fn resolve(&self) -> Result<ServeConfig, ConfigError> {
+        let file = match &self.config {
+            Some(path) => load_file(path)?,
+            None => ServeArgs::default(),
+        };
+        let ServeArgs {
+            engine,
+            ring,
+            streaming,
+            security,
+            ops,
+            ..
+        } = self.clone();
+        let engine = engine.merge(file.engine).validate()?;
+        let streaming = streaming.merge(file.streaming).validate()?;
+        let ring = ring.merge(file.ring).validate(streaming.grpc.port())?;
+        let security = security.merge(file.security).validate()?;
+        let ops = ops.merge(file.ops).validate()?;
+        Ok(ServeConfig {
+            ranks: engine.ranks,
+            topic: engine.topic,
+            grpc: streaming.grpc,
+            shm: ring.shm,
+            ring_size: ring.ring_size,
+            seq_base: ring.seq_base,
+            split_threshold: ring.split_threshold,
+            profile: streaming.profile,
+            dp_mode: streaming.dp_mode,
+            send_dp_rank: streaming.send_dp_rank,
+            max_subscribers: streaming.max_subscribers,
+            replay_timeout: engine.replay_timeout,
+            shm_group_read: ring.shm_group_read,
+            metrics: ops.metrics,
+            log_format: ops.log_format,
+            health_grace: ops.health_grace,
+            tls: security.tls,
+            auth_token: security.auth_token,
+            max_streams_per_connection: streaming.max_streams_per_connection,
+        })
+    }
+
+    /// Every setting's name (the flag without `--`, which is also the TOML key), in `--help`
+    /// order.
+    fn setting_names() -> Vec<String> {
+        use clap::Args;
+        ServeArgs::augment_args(clap::Command::new("serve"))
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .filter(|name| *name != "config")
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+fn load_file(path: &Path) -> Result<ServeArgs, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let parse_error = |message: String| ConfigError::Parse {
+        path: path.to_owned(),
+        message,
+    };
+    let file: ServeArgs = toml::from_str(&text).map_err(|e| parse_error(e.message().into()))?;
+    if let Some(key) = file.unknown.keys().next() {
+        // The text serde's `deny_unknown_fields` would give.
+        let expected: Vec<String> = ServeArgs::setting_names()
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect();
+        return Err(parse_error(format!(
+            "unknown field `{key}`, expected one of {}",
+            expected.join(", ")
+        )));
+    }
+    Ok(file)
+}
+
+concern! {
+    /// Engine input: where the engine's events come from.
+    #[command(next_help_heading = "Engine input")]
+    pub struct EngineArgs {
+        /// Engine publisher to connect a SUB to, one per DP rank (rank = position). A wildcard host
+        /// (`*`, `0.0.0.0`, `[::]`) is rewritten to loopback.
+        #[arg(long, value_name = "ENDPOINT")]
+        pub zmq: Vec<String>,
+        /// Address for a SUB to bind (the engine's PUB connects, e.g. `tcp://127.0.0.1:5557`).
+        /// These ranks follow the `--zmq` ones.
+        #[arg(long, value_name = "ENDPOINT")]
+        pub zmq_bind: Vec<String>,
+        /// The engine's replay ROUTER for the rank in the same position (`--zmq` then `--zmq-bind`).
+        #[arg(long, value_name = "ENDPOINT")]
+        pub replay: Vec<String>,
+        /// ZMQ topic (default "": every topic). A non-empty topic is also compared exactly.
+        #[arg(long)]
+        pub topic: Option<String>,
+        /// Time to wait for the first replay reply and between replies, in ms [default: 2000].
+        #[arg(long, value_name = "MS")]
+        pub replay_timeout_ms: Option<u64>,
+    }
+}
+
+struct EngineConfig {
+    ranks: Vec<RankEndpoint>,
+    topic: String,
+    replay_timeout: Duration,
+}
+
+impl EngineArgs {
+    fn validate(self) -> Result<EngineConfig, ConfigError> {
+        let ranks = build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?;
+        let replay_timeout_ms = self.replay_timeout_ms.unwrap_or(DEFAULT_REPLAY_TIMEOUT_MS);
+        if replay_timeout_ms == 0 {
+            return Err(invalid("--replay-timeout-ms: must be at least 1"));
+        }
+        Ok(EngineConfig {
+            ranks,
+            topic: self.topic.unwrap_or_default(),
+            replay_timeout: Duration::from_millis(replay_timeout_ms),
+        })
+    }
+}
+
+concern! {
+    /// The ring: its file, size and numbering.
+    #[command(next_help_heading = "Ring")]
+    pub struct RingArgs {
+        /// Ring file [default: /dev/shm/kvbridge-<grpc port>].
+        #[arg(long, value_name = "PATH")]
+        pub shm: Option<PathBuf>,
+        /// Ring data size, e.g. `64MiB`, `1048576` [default: 64MiB, minimum 1MiB].
+        #[arg(long, value_name = "BYTES")]
+        pub ring_size: Option<ByteSize>,
+        /// First sequence number of a brand-new ring (default: previous high-water + 2, else Unix µs).
+        #[arg(long, value_name = "N")]
+        pub seq_base: Option<u64>,
+        /// Engine batches encoding above this become several records [default: 1MiB, < 4MiB].
+        #[arg(long, value_name = "BYTES")]
+        pub split_threshold: Option<ByteSize>,
+        /// Make the ring file group-readable (0640 instead of 0600).
+        #[arg(long)]
+        pub shm_group_read: bool,
+    }
+}
+
+struct RingConfig {
+    shm: PathBuf,
+    ring_size: u64,
+    seq_base: Option<u64>,
+    split_threshold: u64,
+    shm_group_read: bool,
+}
+
+impl RingArgs {
+    /// `grpc_port` names the default ring file.
+    fn validate(self, grpc_port: u16) -> Result<RingConfig, ConfigError> {
+        let shm = self
+            .shm
+            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{grpc_port}")));
+        let ring_size = match &self.ring_size {
+            Some(s) => s.bytes("ring-size")?,
+            None => DEFAULT_RING_SIZE,
+        };
+        if ring_size < MIN_RING_SIZE {
+            return Err(invalid(format!(
+                "--ring-size {ring_size}: must be at least 1MiB ({MIN_RING_SIZE})"
+            )));
+        }
+        if ring_size > MAX_RING_SIZE {
+            return Err(invalid(format!(
+                "--ring-size {ring_size}: must be at most 1TiB"
+            )));
+        }
+        let split_threshold = match &self.split_threshold {
+            Some(s) => s.bytes("split-threshold")?,
+            // Small rings (tests) get a proportionally smaller default.
+            None => DEFAULT_SPLIT_THRESHOLD.min(ring_size / 4),
+        };
+        if !(MIN_SPLIT_THRESHOLD..=MAX_SPLIT_THRESHOLD).contains(&split_threshold) {
+            return Err(invalid(format!(
+                "--split-threshold {split_threshold}: must be between {MIN_SPLIT_THRESHOLD} and {MAX_SPLIT_THRESHOLD} (records stay under gRPC's 4 MiB limit)"
+            )));
+        }
+        if split_threshold > ring_size / 4 {
+            return Err(invalid(format!(
+                "--split-threshold {split_threshold}: must be at most a quarter of --ring-size ({ring_size})"
+            )));
+        }
+        if self.seq_base == Some(0) {
+            return Err(invalid(
+                "--seq-base: sequence numbers start at 1 (0 is never sent)",
+            ));
+        }
+        Ok(RingConfig {
+            shm,
+            ring_size,
+            seq_base: self.seq_base,
+            split_threshold,
+            shm_group_read: self.shm_group_read,
+        })
+    }
+}
+
+concern! {
+    /// gRPC streaming: the listener, what is streamed, and how many may subscribe.
+    #[command(next_help_heading = "Streaming")]
+    pub struct StreamingArgs {
+        /// gRPC listen address [default: 127.0.0.1:50061].
+        #[arg(long, value_name = "ADDR")]
+        pub grpc: Option<String>,
+        /// Multi-rank mode [default: merged].
+        #[arg(long, value_enum)]
+        pub dp_mode: Option<DpMode>,
+        /// Send `dp_rank` on the merged stream (breaks G2 gateways, see README).
+        #[arg(long)]
+        pub send_dp_rank: bool,
+        /// Event filter profile [default: smg].
+        #[arg(long, value_enum)]
+        pub profile: Option<ProfileArg>,
+        /// Maximum concurrent subscribers; more get RESOURCE_EXHAUSTED [default: 10000].
+        #[arg(long, value_name = "N")]
+        pub max_subscribers: Option<usize>,
+        /// HTTP/2 max concurrent streams per gRPC connection [default: h2's, unlimited by tonic].
+        #[arg(long, value_name = "N")]
+        pub max_streams_per_connection: Option<u32>,
+    }
+}
+
+struct StreamingConfig {
+    grpc: SocketAddr,
+    dp_mode: DpMode,
+    send_dp_rank: bool,
+    profile: Profile,
+    max_subscribers: usize,
+    max_streams_per_connection: Option<u32>,
+}
+
+impl StreamingArgs {
+    fn validate(self) -> Result<StreamingConfig, ConfigError> {
+        let grpc_text = self.grpc.unwrap_or_else(|| DEFAULT_GRPC.to_string());
+        let grpc =
+            parse_addr(&grpc_text).map_err(|e| invalid(format!("--grpc {grpc_text:?}: {e}")))?;
+        let max_subscribers = self.max_subscribers.unwrap_or(DEFAULT_MAX_SUBSCRIBERS);
+        if max_subscribers == 0 {
+            return Err(invalid("--max-subscribers: must be at least 1"));
+        }
+        if self.max_streams_per_connection == Some(0) {
+            return Err(invalid(
+                "--max-streams-per-connection: must be at least 1 (omit it for the default)",
+            ));
+        }
+        Ok(StreamingConfig {
+            grpc,
+            dp_mode: self.dp_mode.unwrap_or_default(),
+            send_dp_rank: self.send_dp_rank,
+            profile: match self.profile {
+                Some(ProfileArg::All) => Profile::All,
+                Some(ProfileArg::Smg) | None => Profile::Smg,
+            },
+            max_subscribers,
+            max_streams_per_connection: self.max_streams_per_connection,
+        })
+    }
+}
+
+concern! {
+    /// Security: TLS for gRPC and the subscribers' bearer token.
+    #[command(next_help_heading = "Security")]
+    pub struct SecurityArgs {
+        /// TLS certificate chain (PEM) for gRPC; needs `--tls-key`.
+        #[arg(long, value_name = "FILE")]
+        pub tls_cert: Option<PathBuf>,
+        /// TLS private key (PEM) for gRPC; needs `--tls-cert`.
+        #[arg(long, value_name = "FILE")]
+        pub tls_key: Option<PathBuf>,
+        /// File holding the bearer token gRPC subscribers must send (`authorization: Bearer …`);
+        /// the env var KVBRIDGE_AUTH_TOKEN is the alternative. The token is never a flag value.
+        #[arg(long, value_name = "FILE")]
+        pub auth_token_file: Option<PathBuf>,
+    }
+}
+
+struct SecurityConfig {
+    tls: Option<TlsFiles>,
+    auth_token: Option<String>,
+}
+
+impl SecurityArgs {
+    /// Reads the PEM files and the token (file, else the environment).
+    fn validate(self) -> Result<SecurityConfig, ConfigError> {
+        let tls = match (self.tls_cert, self.tls_key) {
+            (None, None) => None,
+            (Some(c), Some(k)) => Some(TlsFiles {
+                cert: read_pem("--tls-cert", &c, "CERTIFICATE")?,
+                key: read_pem("--tls-key", &k, "PRIVATE KEY")?,
+            }),
+            (Some(_), None) => {
+                return Err(invalid("--tls-cert needs --tls-key (give both or neither)"))
+            }
+            (None, Some(_)) => {
+                return Err(invalid("--tls-key needs --tls-cert (give both or neither)"))
+            }
+        };
+        Ok(SecurityConfig {
+            tls,
+            auth_token: resolve_token(self.auth_token_file.as_deref())?,
+        })
+    }
+}
+
+concern! {
+    /// Operations: metrics, logs and health.
+    #[command(next_help_heading = "Operations")]
+    pub struct OpsArgs {
+        /// Prometheus listen address [default: 127.0.0.1:9464]; `off` disables it.
+        #[arg(long, value_name = "ADDR")]
+        pub metrics: Option<String>,
+        /// Log format [default: text].
+        #[arg(long, value_enum)]
+        pub log_format: Option<LogFormat>,
+        /// Health stays SERVING this long after start-up and after the last upstream disconnect,
+        /// in ms [default: 10000].
+        #[arg(long, value_name = "MS")]
+        pub health_grace_ms: Option<u64>,
+    }
+}
+
+struct OpsConfig {
+    metrics: Option<SocketAddr>,
+    log_format: LogFormat,
+    health_grace: Duration,
+}
+
+impl OpsArgs {
+    fn validate(self) -> Result<OpsConfig, ConfigError> {
+        let metrics_text = self.metrics.unwrap_or_else(|| DEFAULT_METRICS.to_string());
+        let metrics = if metrics_text == METRICS_OFF {
+            None
+        } else {
+            Some(
+                parse_addr(&metrics_text)
+                    .map_err(|e| invalid(format!("--metrics {metrics_text:?}: {e}")))?,
+            )
+        };
+        let health_grace_ms = self.health_grace_ms.unwrap_or(DEFAULT_HEALTH_GRACE_MS);
+        if health_grace_ms > MAX_HEALTH_GRACE_MS {
+            return Err(invalid(format!(
+                "--health-grace-ms {health_grace_ms}: must be at most a day ({MAX_HEALTH_GRACE_MS})"
+            )));
+        }
+        Ok(OpsConfig {
+            metrics,
+            log_format: self.log_format.unwrap_or_default(),
+            health_grace: Duration::from_millis(health_grace_ms),
+        })
+    }
 }
 
 /// The validated configuration of `kvbridge serve`.
@@ -251,7 +630,7 @@ pub struct ServeConfig {
     /// Subscriber limit.
     pub max_subscribers: usize,
     /// Replay reply timeout.
-    pub replay_timeout: std::time::Duration,
+    pub replay_timeout: Duration,
     /// Ring file mode 0640 instead of 0600.
     pub shm_group_read: bool,
     /// Prometheus address, `None` when disabled.
@@ -259,7 +638,7 @@ pub struct ServeConfig {
     /// Log format.
     pub log_format: LogFormat,
     /// Health grace period after start-up and after the last upstream disconnect.
-    pub health_grace: std::time::Duration,
+    pub health_grace: Duration,
     /// TLS certificate chain and key (PEM), read at validation time.
     pub tls: Option<TlsFiles>,
     /// Bearer token every `SubscribeKvEvents` call must carry, if set.
@@ -283,14 +662,27 @@ impl std::fmt::Debug for TlsFiles {
     }
 }
 
+/// One engine publisher (one DP rank).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankEndpoint {
+    /// Rank index (position in the configuration).
+    pub rank: u32,
+    /// Endpoint for the SUB (already rewritten from a wildcard when connecting).
+    pub endpoint: String,
+    /// True: the SUB binds (the engine's PUB connects).
+    pub bind: bool,
+    /// The engine's replay ROUTER for this rank, if any.
+    pub replay: Option<String>,
+}
+
 /// Environment variable holding the gRPC bearer token (alternative to `--auth-token-file`).
 pub const AUTH_TOKEN_ENV: &str = "KVBRIDGE_AUTH_TOKEN";
 
 fn read_pem(flag: &str, path: &Path, marker: &str) -> Result<Vec<u8>, ConfigError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| ConfigError::Invalid(format!("{flag} {}: {e}", path.display())))?;
+    let bytes =
+        std::fs::read(path).map_err(|e| invalid(format!("{flag} {}: {e}", path.display())))?;
     if !String::from_utf8_lossy(&bytes).contains(marker) {
-        return Err(ConfigError::Invalid(format!(
+        return Err(invalid(format!(
             "{flag} {}: not a PEM file (no {marker:?} block)",
             path.display()
         )));
@@ -301,214 +693,26 @@ fn read_pem(flag: &str, path: &Path, marker: &str) -> Result<Vec<u8>, ConfigErro
 fn resolve_token(file: Option<&Path>) -> Result<Option<String>, ConfigError> {
     let (text, from) = match file {
         Some(p) => (
-            std::fs::read_to_string(p).map_err(|e| {
-                ConfigError::Invalid(format!("--auth-token-file {}: {e}", p.display()))
-            })?,
+            std::fs::read_to_string(p)
+                .map_err(|e| invalid(format!("--auth-token-file {}: {e}", p.display())))?,
             format!("--auth-token-file {}", p.display()),
         ),
         None => match std::env::var(AUTH_TOKEN_ENV) {
             Ok(v) => (v, AUTH_TOKEN_ENV.to_string()),
             Err(std::env::VarError::NotPresent) => return Ok(None),
-            Err(e) => return Err(ConfigError::Invalid(format!("{AUTH_TOKEN_ENV}: {e}"))),
+            Err(e) => return Err(invalid(format!("{AUTH_TOKEN_ENV}: {e}"))),
         },
     };
     let token = text.trim();
     if token.is_empty() {
-        return Err(ConfigError::Invalid(format!("{from}: the token is empty")));
+        return Err(invalid(format!("{from}: the token is empty")));
     }
     if !token.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(ConfigError::Invalid(format!(
+        return Err(invalid(format!(
             "{from}: the token must be one line of printable ASCII without spaces"
         )));
     }
     Ok(Some(token.to_string()))
-}
-
-impl ServeArgs {
-    /// Merges flags over the TOML file (if any) and validates the result.
-    pub fn resolve(&self) -> Result<ServeConfig, ConfigError> {
-        let file = match &self.config {
-            Some(path) => load_file(path)?,
-            None => FileConfig::default(),
-        };
-        let pick = |flag: &Vec<String>, file: &Vec<String>| {
-            if flag.is_empty() {
-                file.clone()
-            } else {
-                flag.clone()
-            }
-        };
-        let zmq = pick(&self.zmq, &file.zmq);
-        let zmq_bind = pick(&self.zmq_bind, &file.zmq_bind);
-        let replay = pick(&self.replay, &file.replay);
-
-        let ranks = build_ranks(&zmq, &zmq_bind, &replay)?;
-
-        let grpc_text = self
-            .grpc
-            .clone()
-            .or(file.grpc)
-            .unwrap_or_else(|| DEFAULT_GRPC.to_string());
-        let grpc = parse_addr(&grpc_text)
-            .map_err(|e| ConfigError::Invalid(format!("--grpc {grpc_text:?}: {e}")))?;
-        let shm = self
-            .shm
-            .clone()
-            .or(file.shm)
-            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{}", grpc.port())));
-        let ring_size = match &self.ring_size {
-            Some(s) => parse_size(s)
-                .map_err(|e| ConfigError::Invalid(format!("--ring-size {s:?}: {e}")))?,
-            None => match &file.ring_size {
-                Some(v) => v.resolve("ring-size")?,
-                None => DEFAULT_RING_SIZE,
-            },
-        };
-        if ring_size < MIN_RING_SIZE {
-            return Err(ConfigError::Invalid(format!(
-                "--ring-size {ring_size}: must be at least 1MiB (1048576)"
-            )));
-        }
-        if ring_size > (1 << 40) {
-            return Err(ConfigError::Invalid(format!(
-                "--ring-size {ring_size}: must be at most 1TiB"
-            )));
-        }
-        let split_threshold = match &self.split_threshold {
-            Some(s) => parse_size(s)
-                .map_err(|e| ConfigError::Invalid(format!("--split-threshold {s:?}: {e}")))?,
-            None => match &file.split_threshold {
-                Some(v) => v.resolve("split-threshold")?,
-                // Small rings (tests) get a proportionally smaller default.
-                None => DEFAULT_SPLIT_THRESHOLD.min(ring_size / 4),
-            },
-        };
-        if !(4096..=MAX_SPLIT_THRESHOLD).contains(&split_threshold) {
-            return Err(ConfigError::Invalid(format!(
-                "--split-threshold {split_threshold}: must be between 4096 and {MAX_SPLIT_THRESHOLD} (records stay under gRPC's 4 MiB limit)"
-            )));
-        }
-        if split_threshold > ring_size / 4 {
-            return Err(ConfigError::Invalid(format!(
-                "--split-threshold {split_threshold}: must be at most a quarter of --ring-size ({ring_size})"
-            )));
-        }
-        let metrics_text = self
-            .metrics
-            .clone()
-            .or(file.metrics)
-            .unwrap_or_else(|| DEFAULT_METRICS.to_string());
-        let metrics =
-            if metrics_text == "off" {
-                None
-            } else {
-                Some(parse_addr(&metrics_text).map_err(|e| {
-                    ConfigError::Invalid(format!("--metrics {metrics_text:?}: {e}"))
-                })?)
-            };
-        let max_subscribers = self
-            .max_subscribers
-            .or(file.max_subscribers)
-            .unwrap_or(10_000);
-        if max_subscribers == 0 {
-            return Err(ConfigError::Invalid(
-                "--max-subscribers: must be at least 1".into(),
-            ));
-        }
-        let replay_timeout_ms = self
-            .replay_timeout_ms
-            .or(file.replay_timeout_ms)
-            .unwrap_or(2000);
-        if replay_timeout_ms == 0 {
-            return Err(ConfigError::Invalid(
-                "--replay-timeout-ms: must be at least 1".into(),
-            ));
-        }
-        let seq_base = self.seq_base.or(file.seq_base);
-        if seq_base == Some(0) {
-            return Err(ConfigError::Invalid(
-                "--seq-base: sequence numbers start at 1 (0 is never sent)".into(),
-            ));
-        }
-        let health_grace_ms = self
-            .health_grace_ms
-            .or(file.health_grace_ms)
-            .unwrap_or(DEFAULT_HEALTH_GRACE_MS);
-        if health_grace_ms > 24 * 3600 * 1000 {
-            return Err(ConfigError::Invalid(format!(
-                "--health-grace-ms {health_grace_ms}: must be at most a day (86400000)"
-            )));
-        }
-        let tls = match (
-            self.tls_cert.clone().or(file.tls_cert),
-            self.tls_key.clone().or(file.tls_key),
-        ) {
-            (None, None) => None,
-            (Some(c), Some(k)) => Some(TlsFiles {
-                cert: read_pem("--tls-cert", &c, "CERTIFICATE")?,
-                key: read_pem("--tls-key", &k, "PRIVATE KEY")?,
-            }),
-            (Some(_), None) => {
-                return Err(ConfigError::Invalid(
-                    "--tls-cert needs --tls-key (give both or neither)".into(),
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(ConfigError::Invalid(
-                    "--tls-key needs --tls-cert (give both or neither)".into(),
-                ))
-            }
-        };
-        let auth_token = resolve_token(
-            self.auth_token_file
-                .clone()
-                .or(file.auth_token_file)
-                .as_deref(),
-        )?;
-        let max_streams_per_connection = self
-            .max_streams_per_connection
-            .or(file.max_streams_per_connection);
-        if max_streams_per_connection == Some(0) {
-            return Err(ConfigError::Invalid(
-                "--max-streams-per-connection: must be at least 1 (omit it for the default)".into(),
-            ));
-        }
-        Ok(ServeConfig {
-            ranks,
-            topic: self.topic.clone().or(file.topic).unwrap_or_default(),
-            grpc,
-            shm,
-            ring_size,
-            seq_base,
-            split_threshold,
-            profile: match self.profile.or(file.profile) {
-                Some(ProfileArg::All) => Profile::All,
-                _ => Profile::Smg,
-            },
-            dp_mode: self.dp_mode.or(file.dp_mode).unwrap_or_default(),
-            send_dp_rank: self.send_dp_rank || file.send_dp_rank.unwrap_or(false),
-            max_subscribers,
-            replay_timeout: std::time::Duration::from_millis(replay_timeout_ms),
-            shm_group_read: self.shm_group_read || file.shm_group_read.unwrap_or(false),
-            metrics,
-            log_format: self.log_format.or(file.log_format).unwrap_or_default(),
-            health_grace: std::time::Duration::from_millis(health_grace_ms),
-            tls,
-            auth_token,
-            max_streams_per_connection,
-        })
-    }
-}
-
-fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    toml::from_str(&text).map_err(|e| ConfigError::Parse {
-        path: path.to_owned(),
-        message: e.message().to_string(),
-    })
 }
 
 fn build_ranks(
@@ -517,13 +721,13 @@ fn build_ranks(
     replay: &[String],
 ) -> Result<Vec<RankEndpoint>, ConfigError> {
     if zmq.is_empty() && zmq_bind.is_empty() {
-        return Err(ConfigError::Invalid(
-            "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT".into(),
+        return Err(invalid(
+            "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT",
         ));
     }
     let total = zmq.len() + zmq_bind.len();
     if replay.len() > total {
-        return Err(ConfigError::Invalid(format!(
+        return Err(invalid(format!(
             "{} --replay endpoints for {total} ranks: give at most one per --zmq/--zmq-bind, in the same order",
             replay.len()
         )));
@@ -536,12 +740,11 @@ fn build_ranks(
         .enumerate()
     {
         let flag = if bind { "--zmq-bind" } else { "--zmq" };
-        let endpoint = validate_endpoint(ep, !bind)
-            .map_err(|e| ConfigError::Invalid(format!("{flag} {ep:?}: {e}")))?;
+        let endpoint =
+            validate_endpoint(ep, !bind).map_err(|e| invalid(format!("{flag} {ep:?}: {e}")))?;
         let replay = match replay.get(i) {
             Some(r) => Some(
-                validate_endpoint(r, true)
-                    .map_err(|e| ConfigError::Invalid(format!("--replay {r:?}: {e}")))?,
+                validate_endpoint(r, true).map_err(|e| invalid(format!("--replay {r:?}: {e}")))?,
             ),
             None => None,
         };
@@ -556,14 +759,14 @@ fn build_ranks(
     for a in &ranks {
         for b in &ranks {
             if a.rank != b.rank && a.endpoint == b.endpoint {
-                return Err(ConfigError::Invalid(format!(
+                return Err(invalid(format!(
                     "rank {} and rank {} use the same endpoint {}",
                     a.rank, b.rank, a.endpoint
                 )));
             }
             if let Some(r) = &b.replay {
                 if *r == a.endpoint {
-                    return Err(ConfigError::Invalid(format!(
+                    return Err(invalid(format!(
                         "rank {}'s replay endpoint {r} is rank {}'s event endpoint (the engine's replay port collides with the next rank's PUB port)",
                         b.rank, a.rank
                     )));
@@ -651,13 +854,45 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
+    use clap::Parser;
+
     use super::*;
 
-    fn args(zmq: &[&str]) -> ServeArgs {
+    /// `kvbridge serve` on its own, to parse flags as the CLI does.
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn flags<S: AsRef<str>>(list: &[S]) -> ServeArgs {
+        let argv = std::iter::once("serve").chain(list.iter().map(|s| s.as_ref()));
+        Serve::try_parse_from(argv).unwrap().args
+    }
+
+    /// Writes `text` to a new file in `dir` and returns flags naming it with `--config`.
+    fn file(dir: &Path, text: &str) -> ServeArgs {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("k{n}.toml"));
+        std::fs::write(&path, text).unwrap();
         ServeArgs {
-            zmq: zmq.iter().map(|s| s.to_string()).collect(),
+            config: Some(path),
             ..Default::default()
         }
+    }
+
+    /// Everything a config holds, the TLS key included (its `Debug` redacts it).
+    fn show(c: &ServeConfig) -> String {
+        format!("{c:?} {:?}", c.tls.as_ref().map(|t| (&t.cert, &t.key)))
+    }
+
+    fn args(zmq: &[&str]) -> ServeArgs {
+        let mut a = ServeArgs::default();
+        a.engine.zmq = zmq.iter().map(|s| s.to_string()).collect();
+        a
     }
 
     #[test]
@@ -711,10 +946,10 @@ mod tests {
     #[test]
     fn rejects_bad_values_with_the_flag_named() {
         let mut a = args(&["tcp://*:5557"]);
-        a.ring_size = Some("512KiB".into());
+        a.ring.ring_size = Some(ByteSize::Flag("512KiB".into()));
         assert!(a.resolve().unwrap_err().to_string().contains("--ring-size"));
         let mut a = args(&["tcp://*:5557"]);
-        a.grpc = Some("nope".into());
+        a.streaming.grpc = Some("nope".into());
         assert!(a.resolve().unwrap_err().to_string().contains("--grpc"));
         assert!(args(&[])
             .resolve()
@@ -722,8 +957,33 @@ mod tests {
             .to_string()
             .contains("no engine endpoint"));
         let mut a = args(&["tcp://*:5557", "tcp://*:5558"]);
-        a.replay = vec!["tcp://*:5558".into()];
+        a.engine.replay = vec!["tcp://*:5558".into()];
         assert!(a.resolve().unwrap_err().to_string().contains("collides"));
+    }
+
+    #[test]
+    fn bad_sizes_name_the_flag_or_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = flags(&["--zmq", "tcp://*:5557", "--ring-size", "lots"])
+            .resolve()
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"--ring-size "lots": not a size: "lots" (try 64MiB or 1048576)"#
+        );
+        let a = file(
+            dir.path(),
+            "zmq = [\"tcp://*:5557\"]\nsplit-threshold = \"4XB\"\n",
+        );
+        assert_eq!(
+            a.resolve().unwrap_err().to_string(),
+            r#"split-threshold: unknown unit "xb" in "4XB" (use KiB, MiB or GiB)"#
+        );
+        let a = file(dir.path(), "zmq = [\"tcp://*:5557\"]\nring-size = 1024\n");
+        assert_eq!(
+            a.resolve().unwrap_err().to_string(),
+            "--ring-size 1024: must be at least 1MiB (1048576)"
+        );
     }
 
     #[test]
@@ -740,10 +1000,240 @@ mod tests {
         assert_eq!(c.grpc.port(), 7000);
         assert_eq!(c.ring_size, 2 << 20);
         assert_eq!(c.topic, "kv");
-        a.grpc = Some("127.0.0.1:7001".into());
+        a.streaming.grpc = Some("127.0.0.1:7001".into());
         assert_eq!(a.resolve().unwrap().grpc.port(), 7001);
         std::fs::write(&p, "bogus-key = 1\n").unwrap();
         assert!(a.resolve().unwrap_err().to_string().contains("bogus-key"));
+    }
+
+    #[test]
+    fn unknown_toml_keys_are_rejected_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = "zmq = [\"tcp://*:5557\"]\n";
+        for (text, key) in [
+            ("bogus-key = 1\n", "bogus-key"),
+            ("ring_size = \"2MiB\"\n", "ring_size"),
+            ("config = \"other.toml\"\n", "config"),
+            ("unknown = true\n", "unknown"),
+            ("[engine]\ntopic = \"kv\"\n", "engine"),
+        ] {
+            let err = file(dir.path(), &format!("{base}{text}"))
+                .resolve()
+                .unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{text}: {err}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains(&format!("unknown field `{key}`, expected one of `zmq`, ")),
+                "{text}: {msg}"
+            );
+            assert!(msg.ends_with("`health-grace-ms`"), "{msg}");
+        }
+    }
+
+    /// One row per setting: its flags, the same setting in TOML, and another TOML value for it.
+    struct Row {
+        flags: Vec<String>,
+        toml: String,
+        other: String,
+    }
+
+    fn rows(dir: &Path) -> Vec<Row> {
+        let pem = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p.display().to_string()
+        };
+        let (cert, key) = (
+            pem("c.pem", "-----BEGIN CERTIFICATE-----\nx\n"),
+            pem("k.pem", "-----BEGIN PRIVATE KEY-----\nx\n"),
+        );
+        let (cert2, key2) = (
+            pem("c2.pem", "-----BEGIN CERTIFICATE-----\nyy\n"),
+            pem("k2.pem", "-----BEGIN PRIVATE KEY-----\nyy\n"),
+        );
+        let (token, token2) = (pem("t", "abc\n"), pem("t2", "def\n"));
+        let row = |flags: &str, toml: &str, other: &str| Row {
+            flags: flags.split_whitespace().map(str::to_string).collect(),
+            toml: toml.to_string(),
+            other: other.to_string(),
+        };
+        vec![
+            // Engine input.
+            row(
+                "--zmq tcp://*:6000 --zmq tcp://*:6001",
+                r#"zmq = ["tcp://*:6000", "tcp://*:6001"]"#,
+                r#"zmq = ["tcp://*:7000"]"#,
+            ),
+            row(
+                "--zmq-bind tcp://127.0.0.1:6002",
+                r#"zmq-bind = ["tcp://127.0.0.1:6002"]"#,
+                r#"zmq-bind = ["tcp://127.0.0.1:7002"]"#,
+            ),
+            row(
+                "--replay tcp://127.0.0.1:6100",
+                r#"replay = ["tcp://127.0.0.1:6100"]"#,
+                r#"replay = ["tcp://127.0.0.1:7100"]"#,
+            ),
+            row("--topic kv", r#"topic = "kv""#, r#"topic = "other""#),
+            row(
+                "--replay-timeout-ms 500",
+                "replay-timeout-ms = 500",
+                "replay-timeout-ms = 600",
+            ),
+            // Ring.
+            row(
+                "--shm /tmp/kvbridge-cfg-a",
+                r#"shm = "/tmp/kvbridge-cfg-a""#,
+                r#"shm = "/tmp/kvbridge-cfg-b""#,
+            ),
+            row(
+                "--ring-size 2MiB",
+                r#"ring-size = "2MiB""#,
+                "ring-size = 4194304",
+            ),
+            row(
+                "--ring-size 3145728",
+                "ring-size = 3145728",
+                r#"ring-size = "2MiB""#,
+            ),
+            row("--seq-base 5", "seq-base = 5", "seq-base = 6"),
+            row(
+                "--split-threshold 64KiB",
+                "split-threshold = 65536",
+                r#"split-threshold = "128KiB""#,
+            ),
+            row(
+                "--shm-group-read",
+                "shm-group-read = true",
+                "shm-group-read = false",
+            ),
+            // Streaming.
+            row(
+                "--grpc 127.0.0.1:7000",
+                r#"grpc = "127.0.0.1:7000""#,
+                r#"grpc = "127.0.0.1:7001""#,
+            ),
+            row(
+                "--dp-mode metadata",
+                r#"dp-mode = "metadata""#,
+                r#"dp-mode = "merged""#,
+            ),
+            row(
+                "--send-dp-rank",
+                "send-dp-rank = true",
+                "send-dp-rank = false",
+            ),
+            row("--profile all", r#"profile = "all""#, r#"profile = "smg""#),
+            row(
+                "--max-subscribers 7",
+                "max-subscribers = 7",
+                "max-subscribers = 8",
+            ),
+            row(
+                "--max-streams-per-connection 9",
+                "max-streams-per-connection = 9",
+                "max-streams-per-connection = 10",
+            ),
+            // Security.
+            row(
+                &format!("--tls-cert {cert} --tls-key {key}"),
+                &format!("tls-cert = {cert:?}\ntls-key = {key:?}"),
+                &format!("tls-cert = {cert2:?}\ntls-key = {key2:?}"),
+            ),
+            row(
+                &format!("--auth-token-file {token}"),
+                &format!("auth-token-file = {token:?}"),
+                &format!("auth-token-file = {token2:?}"),
+            ),
+            // Operations.
+            row(
+                "--metrics 127.0.0.1:9999",
+                r#"metrics = "127.0.0.1:9999""#,
+                r#"metrics = "off""#,
+            ),
+            row(
+                "--log-format json",
+                r#"log-format = "json""#,
+                r#"log-format = "text""#,
+            ),
+            row(
+                "--health-grace-ms 250",
+                "health-grace-ms = 250",
+                "health-grace-ms = 300",
+            ),
+        ]
+    }
+
+    /// Every setting is in the table, and each gives the same configuration as a flag and as a TOML
+    /// key, changes it from the default, and as a flag wins over another value in the file.
+    #[test]
+    fn every_setting_is_the_same_as_a_flag_and_as_a_toml_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows = rows(dir.path());
+        let names: BTreeSet<String> = ServeArgs::setting_names().into_iter().collect();
+        let flag_names: BTreeSet<String> = rows
+            .iter()
+            .flat_map(|r| &r.flags)
+            .filter_map(|f| f.strip_prefix("--"))
+            .map(str::to_string)
+            .collect();
+        assert_eq!(
+            flag_names, names,
+            "a setting without a row (or a row without a setting)"
+        );
+        let toml_keys: BTreeSet<String> = rows
+            .iter()
+            .flat_map(|r| r.toml.parse::<toml::Table>().unwrap().into_iter())
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(
+            toml_keys, names,
+            "a setting's TOML key differs from its flag"
+        );
+
+        let base_zmq = "tcp://*:5557";
+        let default = show(&flags(&["--zmq", base_zmq]).resolve().unwrap());
+        for row in &rows {
+            let what = row.flags.join(" ");
+            // Every row needs a rank; the zmq row brings its own.
+            let (mut argv, mut base_toml) = (row.flags.clone(), String::new());
+            if !argv.iter().any(|f| f == "--zmq") {
+                argv.extend(["--zmq".to_string(), base_zmq.to_string()]);
+                base_toml = format!("zmq = [{base_zmq:?}]\n");
+            }
+            let from_flags = show(&flags(&argv).resolve().unwrap());
+            let from_toml = file(dir.path(), &format!("{base_toml}{}\n", row.toml));
+            assert_eq!(from_flags, show(&from_toml.resolve().unwrap()), "{what}");
+            assert_ne!(from_flags, default, "{what}: no effect");
+
+            let other = file(dir.path(), &format!("{base_toml}{}\n", row.other));
+            assert_ne!(
+                show(&other.resolve().unwrap()),
+                from_flags,
+                "{what}: same as other"
+            );
+            let mut both = flags(&argv);
+            both.config = other.config;
+            assert_eq!(
+                show(&both.resolve().unwrap()),
+                from_flags,
+                "{what}: file won"
+            );
+        }
+    }
+
+    #[test]
+    fn help_groups_every_setting_under_its_concern() {
+        use clap::Args;
+        let cmd = ServeArgs::augment_args(clap::Command::new("serve"));
+        for arg in cmd.get_arguments() {
+            let name = arg.get_long().unwrap();
+            assert_eq!(
+                arg.get_help_heading().is_none(),
+                name == "config",
+                "--{name}"
+            );
+        }
     }
 
     #[test]
@@ -771,7 +1261,7 @@ mod tests {
             ..Default::default()
         };
         let c = a.resolve().unwrap();
-        assert_eq!(c.health_grace, std::time::Duration::from_millis(250));
+        assert_eq!(c.health_grace, Duration::from_millis(250));
         assert_eq!(c.max_streams_per_connection, Some(512));
         assert_eq!(c.auth_token.as_deref(), Some("abc.DEF-123"));
         assert!(c.tls.is_some());
@@ -779,7 +1269,7 @@ mod tests {
             !format!("{c:?}").contains("PRIVATE"),
             "key redacted in Debug"
         );
-        a.max_streams_per_connection = Some(0);
+        a.streaming.max_streams_per_connection = Some(0);
         assert!(a
             .resolve()
             .unwrap_err()

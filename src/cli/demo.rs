@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use prost::Message;
 
 use super::CliError;
-use crate::config::{LogFormat, ServeArgs};
+use crate::config::{ByteSize, LogFormat, ServeArgs};
 use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 use crate::sim::{encode_batch, EnginePublisher, Layout, Workload};
 
@@ -104,15 +104,13 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     } else {
         shm
     };
-    let args = ServeArgs {
-        zmq: zmq_eps,
-        replay: replay_eps,
-        grpc: Some(a.grpc.clone()),
-        shm: Some(shm.clone()),
-        metrics: Some("127.0.0.1:0".into()),
-        ring_size: Some("64MiB".into()),
-        ..Default::default()
-    };
+    let mut args = ServeArgs::default();
+    args.engine.zmq = zmq_eps;
+    args.engine.replay = replay_eps;
+    args.streaming.grpc = Some(a.grpc.clone());
+    args.ring.shm = Some(shm.clone());
+    args.ring.ring_size = Some(ByteSize::Bytes(64 << 20));
+    args.ops.metrics = Some("127.0.0.1:0".into());
     let cfg = args.resolve().map_err(|e| CliError::Setup(e.to_string()))?;
     let service = super::run_service(&cfg).await?;
     let grpc = service.grpc_addr;

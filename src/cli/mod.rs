@@ -27,7 +27,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the bridge: engine ZMQ → ring → gRPC fan-out.
-    Serve(crate::config::ServeArgs),
+    Serve(Box<crate::config::ServeArgs>),
     /// Subscribe over gRPC and print each batch as one line of proto3 canonical JSON.
     Subscribe(subscribe::SubscribeArgs),
     /// Read the ring directly (no socket) and print each batch as one line of JSON.
@@ -65,7 +65,7 @@ impl CliError {
 pub fn main() -> i32 {
     let cli = Cli::parse(); // clap prints usage errors itself and exits with 2
     let result = match cli.command {
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
         Command::Subscribe(a) => subscribe::run(a),
         Command::Tail(a) => tail::run(a),
         Command::Demo(a) => demo::run(a),

@@ -57,7 +57,7 @@ pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
                     .trim()
                     .to_string(),
             ),
-            None => std::env::var("KVBRIDGE_AUTH_TOKEN").ok().map(|t| t.trim().to_string()),
+            None => std::env::var(crate::config::AUTH_TOKEN_ENV).ok().map(|t| t.trim().to_string()),
         };
         let channel = endpoint.connect().await.map_err(|e| CliError::Setup(format!("--grpc {uri}: cannot connect: {e}")))?;
         let mut req = tonic::Request::new(SubscribeKvEventsRequest { start_sequence_number: a.from, load_records_before_first_batch: false });
