@@ -19,7 +19,7 @@ use thiserror::Error;
 
 use crate::decode::Profile;
 
-/// Default gRPC listen address (smg-api.md: the worker's KV-event port).
+/// Default gRPC listen address (docs/smg-api.md: the worker's KV-event port).
 pub const DEFAULT_GRPC: &str = "127.0.0.1:50061";
 /// Default Prometheus listen address.
 pub const DEFAULT_METRICS: &str = "127.0.0.1:9464";
@@ -29,7 +29,7 @@ pub const DEFAULT_RING_SIZE: u64 = 64 << 20;
 pub const MIN_RING_SIZE: u64 = 1 << 20;
 /// Largest ring accepted: 1 TiB.
 pub const MAX_RING_SIZE: u64 = 1 << 40;
-/// Default split threshold for one record (smg-api.md §6.3).
+/// Default split threshold for one record (docs/smg-api.md §6.3).
 pub const DEFAULT_SPLIT_THRESHOLD: u64 = 1 << 20;
 /// Smallest split threshold accepted.
 pub const MIN_SPLIT_THRESHOLD: u64 = 4096;
@@ -74,7 +74,7 @@ fn invalid(message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid(message.into())
 }
 
-/// How multiple DP ranks are exposed (smg-api.md §7).
+/// How multiple DP ranks are exposed (docs/smg-api.md §7).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum DpMode {
@@ -373,7 +373,7 @@ concern! {
     /// The ring: its file, size and numbering.
     #[command(next_help_heading = "Ring")]
     pub struct RingArgs {
-        /// Ring file [default: /dev/shm/kvbridge-<grpc port>].
+        /// Ring file [default: /dev/shm/kvbridge-{grpc port}].
         #[arg(long, value_name = "PATH")]
         pub shm: Option<PathBuf>,
         /// Ring data size, e.g. `64MiB`, `1048576` [default: 64MiB, minimum 1MiB].
@@ -382,7 +382,7 @@ concern! {
         /// First sequence number of a brand-new ring (default: previous high-water + 2, else Unix µs).
         #[arg(long, value_name = "N")]
         pub seq_base: Option<u64>,
-        /// Engine batches encoding above this become several records [default: 1MiB, < 4MiB].
+        /// Engine batches encoding above this become several records, each under 4MiB [default: 1MiB].
         #[arg(long, value_name = "BYTES")]
         pub split_threshold: Option<ByteSize>,
         /// Make the ring file group-readable (0640 instead of 0600).
@@ -755,7 +755,7 @@ fn build_ranks(
             replay,
         });
     }
-    // engine-wire.md §2.2: replay = PUB + 1 collides with rank 1's PUB port.
+    // docs/engine-wire.md §2.2: replay = PUB + 1 collides with rank 1's PUB port.
     for a in &ranks {
         for b in &ranks {
             if a.rank != b.rank && a.endpoint == b.endpoint {
@@ -778,7 +778,7 @@ fn build_ranks(
 }
 
 /// Checks an endpoint's shape and, for a connecting socket, rewrites wildcard hosts to loopback
-/// (ZMQ cannot connect to a wildcard; engine-wire.md §2.1).
+/// (ZMQ cannot connect to a wildcard; docs/engine-wire.md §2.1).
 pub fn validate_endpoint(ep: &str, connect: bool) -> Result<String, String> {
     if let Some(rest) = ep.strip_prefix("tcp://") {
         let (host, port) = rest.rsplit_once(':').ok_or("expected tcp://HOST:PORT")?;

@@ -16,6 +16,8 @@
 //! formats are specified in docs/engine-wire.md (engine side) and
 //! docs/smg-api.md (gateway side).
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod bench;
 pub mod cli;
 pub mod clock;

@@ -38,7 +38,7 @@
 //! * **One writer, enforced by the kernel.** `flock(LOCK_EX)` on the ring
 //!   file; the kernel releases it when the writer dies, even by SIGKILL.
 //! * **Proved, not hoped.** The publish / read / lap protocol lives in
-//!   [`protocol`] over an atomics shim, so `tests/loom.rs` model-checks the
+//!   `protocol.rs` over an atomics shim, so `tests/loom.rs` model-checks the
 //!   very code the file-backed ring runs.
 //!
 //! ## Quick start
@@ -76,7 +76,7 @@
 //!   (cross-process, HdrHistogram, busy-poll and futex readers).
 
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_debug_implementations)]
+#![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 
 /// The byte layout of `LAYOUT.md` as constants: offsets, sizes, magic numbers. Public because
 /// they *are* the specification other-language readers implement against.
@@ -86,7 +86,9 @@ pub mod layout;
 #[cfg(loom)]
 pub mod protocol;
 #[cfg(not(loom))]
+#[allow(unreachable_pub)] // `pub` for the loom build above
 mod protocol;
+#[allow(unreachable_pub)] // `pub` for the loom build (std or loom atomics)
 mod sync;
 
 #[cfg(not(loom))]

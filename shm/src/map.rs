@@ -48,7 +48,7 @@ pub(crate) struct Base<'a> {
 
 impl<'a> Base<'a> {
     /// View of a mapping that lives at least as long as `'a`.
-    pub fn new(m: &'a [u8]) -> Base<'a> {
+    pub(crate) fn new(m: &'a [u8]) -> Base<'a> {
         Base {
             ptr: m.as_ptr(),
             len: m.len(),
@@ -56,7 +56,7 @@ impl<'a> Base<'a> {
         }
     }
 
-    pub fn u64_at(self, off: usize) -> &'a AtomicU64 {
+    pub(crate) fn u64_at(self, off: usize) -> &'a AtomicU64 {
         assert!(off % 8 == 0 && off + 8 <= self.len);
         // SAFETY: in bounds and 8-aligned (mappings are page aligned, `off`
         // is a multiple of 8) as asserted; the mapping lives for `'a` (the
@@ -68,13 +68,13 @@ impl<'a> Base<'a> {
         unsafe { &*(self.ptr.add(off) as *const AtomicU64) }
     }
 
-    pub fn u32_at(self, off: usize) -> &'a AtomicU32 {
+    pub(crate) fn u32_at(self, off: usize) -> &'a AtomicU32 {
         assert!(off % 4 == 0 && off + 4 <= self.len);
         // SAFETY: as for `u64_at`, with 4-byte alignment and size.
         unsafe { &*(self.ptr.add(off) as *const AtomicU32) }
     }
 
-    pub fn words(self, off: u64, bytes: u64) -> &'a [AtomicU64] {
+    pub(crate) fn words(self, off: u64, bytes: u64) -> &'a [AtomicU64] {
         assert!(off % 8 == 0 && bytes % 8 == 0 && off + bytes <= self.len as u64);
         // SAFETY: the range is in bounds and 8-aligned (asserted); it is
         // shared memory that other processes mutate, which is exactly what an
@@ -87,7 +87,7 @@ impl<'a> Base<'a> {
         }
     }
 
-    pub fn ring(self, g: &Geometry) -> Ring<'a> {
+    pub(crate) fn ring(self, g: &Geometry) -> Ring<'a> {
         Ring {
             cap: g.cap,
             slots: g.slots,
@@ -102,11 +102,11 @@ impl<'a> Base<'a> {
         }
     }
 
-    pub fn load(self, off: usize) -> u64 {
+    pub(crate) fn load(self, off: usize) -> u64 {
         self.u64_at(off).load(Ordering::Acquire)
     }
 
-    pub fn load32(self, off: usize) -> u32 {
+    pub(crate) fn load32(self, off: usize) -> u32 {
         self.u32_at(off).load(Ordering::Acquire)
     }
 }

@@ -106,10 +106,18 @@ pub enum ReadOutcome<'a> {
     Empty,
     /// The writer overwrote records this reader still wanted. The position
     /// is already moved to `resume_at`; `missed = resume_at - wanted`.
-    Lapped { missed: u64, resume_at: u64 },
+    Lapped {
+        /// Records lost to the writer.
+        missed: u64,
+        /// The next record this reader will return (the oldest retained).
+        resume_at: u64,
+    },
     /// The file was re-created (new ring id). The reader switched to the new
     /// file, at its oldest record.
-    RingReset { new_ring_id: u64 },
+    RingReset {
+        /// The new file's ring id.
+        new_ring_id: u64,
+    },
     /// Nothing new and the writer is dead or closed.
     WriterGone,
 }
@@ -164,6 +172,7 @@ impl RingReader {
         self.stale_after = d;
     }
 
+    /// The ring incarnation's random id (changes when the file is re-created).
     pub fn ring_id(&self) -> u64 {
         self.m.geo.ring_id
     }
@@ -171,6 +180,7 @@ impl RingReader {
     pub fn capacity(&self) -> usize {
         self.m.geo.cap as usize
     }
+    /// The ring file this reader maps.
     pub fn path(&self) -> &Path {
         &self.m.path
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 /// Nanoseconds since the Unix epoch (CLOCK_REALTIME, vDSO, no syscall).
-pub fn now_ns() -> u64 {
+pub(crate) fn now_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -18,7 +18,7 @@ pub fn now_ns() -> u64 {
 
 /// Coarse nanoseconds since the Unix epoch (CLOCK_REALTIME_COARSE: a few ns,
 /// jiffy resolution) — plenty for a heartbeat judged at 250 ms granularity.
-pub fn coarse_now_ns() -> u64 {
+pub(crate) fn coarse_now_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -31,7 +31,7 @@ pub fn coarse_now_ns() -> u64 {
 /// Try to take the exclusive writer lock without blocking. The kernel drops
 /// it when the last descriptor of the open file description is closed, which
 /// includes the holder's death by SIGKILL.
-pub fn try_lock_exclusive(f: &std::fs::File) -> io::Result<bool> {
+pub(crate) fn try_lock_exclusive(f: &std::fs::File) -> io::Result<bool> {
     // SAFETY: flock on a descriptor we own; no memory is passed.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if r == 0 {
@@ -47,7 +47,7 @@ pub fn try_lock_exclusive(f: &std::fs::File) -> io::Result<bool> {
 
 /// Allocate the file's blocks now, so that a full tmpfs fails here with
 /// ENOSPC instead of SIGBUS on first touch of the mapping.
-pub fn fallocate(f: &std::fs::File, len: u64) -> io::Result<()> {
+pub(crate) fn fallocate(f: &std::fs::File, len: u64) -> io::Result<()> {
     // SAFETY: plain syscall on a descriptor we own.
     let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len as libc::off_t) };
     if r == 0 {
@@ -58,7 +58,7 @@ pub fn fallocate(f: &std::fs::File, len: u64) -> io::Result<()> {
 }
 
 /// Inode of this process's pid namespace (0 if unknown).
-pub fn pidns_ino() -> u64 {
+pub(crate) fn pidns_ino() -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self/ns/pid")
         .map(|m| m.ino())
@@ -67,7 +67,7 @@ pub fn pidns_ino() -> u64 {
 
 /// `Some(false)` when `pid` certainly does not exist, `Some(true)` when it
 /// exists, `None` when we cannot tell.
-pub fn pid_exists(pid: u32) -> Option<bool> {
+pub(crate) fn pid_exists(pid: u32) -> Option<bool> {
     if pid == 0 || pid > i32::MAX as u32 {
         return None;
     }
@@ -84,7 +84,7 @@ pub fn pid_exists(pid: u32) -> Option<bool> {
 }
 
 /// A random, non-zero ring id.
-pub fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut v: u64 = 0;
     // SAFETY: getrandom writes at most 8 bytes into `v`, which is 8 bytes.
     let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
@@ -101,7 +101,7 @@ pub fn random_u64() -> u64 {
 /// FUTEX_WAIT (shared, i.e. *without* FUTEX_PRIVATE_FLAG: the key is the
 /// file page, so waiters in other processes match) while `*word == expected`.
 /// Works on a read-only mapping: the kernel only reads the word.
-pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -123,7 +123,7 @@ pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 }
 
 /// FUTEX_WAKE every waiter on `word` (shared futex, see [`futex_wait`]).
-pub fn futex_wake_all(word: &AtomicU32) {
+pub(crate) fn futex_wake_all(word: &AtomicU32) {
     // SAFETY: `word` is a valid, aligned u32 in a live mapping; FUTEX_WAKE
     // does not access user memory beyond resolving the key.
     unsafe {

@@ -265,7 +265,7 @@ fn adoption_after_restart_continues_n_plus_1() {
         // an uncommitted reservation at the moment of "death"
         let mut res = w.reserve(900).unwrap();
         res.buf().fill(0xFF);
-        drop(res); // "dies" mid-record: nothing committed
+        // "dies" mid-record: the reservation is never committed
     }
     let mut r = RingReader::open(&p).unwrap();
     let o = r.oldest();

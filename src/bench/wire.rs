@@ -15,7 +15,7 @@ use super::Delivery;
 use crate::proto::common::SubscribeKvEventsRequest;
 
 /// Writes `ts` into an engine batch encoded as `[ts, events, …]` with a float64 `ts`.
-pub fn patch_ts(batch: &mut [u8], ts: f64) {
+pub(super) fn patch_ts(batch: &mut [u8], ts: f64) {
     if batch.len() >= 10 && batch[1] == 0xcb {
         batch[2..10].copy_from_slice(&ts.to_be_bytes());
     }
@@ -23,7 +23,7 @@ pub fn patch_ts(batch: &mut [u8], ts: f64) {
 
 /// `sequence_number` (field 1) and `timestamp` (field 2) of an encoded `KvEventBatch`, which
 /// kvbridge always writes first and in that order.
-pub fn seq_and_ts(b: &[u8]) -> Option<(u64, f64)> {
+pub(super) fn seq_and_ts(b: &[u8]) -> Option<(u64, f64)> {
     let mut buf = b;
     if buf.first() != Some(&0x08) {
         return None;
@@ -40,7 +40,7 @@ pub fn seq_and_ts(b: &[u8]) -> Option<(u64, f64)> {
 
 /// Requests encode with prost; responses stay bytes.
 #[derive(Clone, Copy, Default)]
-pub struct RawCodec;
+pub(super) struct RawCodec;
 
 impl Codec for RawCodec {
     type Encode = SubscribeKvEventsRequest;
@@ -74,7 +74,7 @@ impl Decoder for RawCodec {
 }
 
 /// What one subscriber saw.
-pub struct SubOut {
+pub(super) struct SubOut {
     /// Latency in ns from the scheduled send time.
     pub hist: Histogram<u64>,
     /// Counts.
@@ -84,7 +84,7 @@ pub struct SubOut {
 }
 
 /// One subscriber on the vLLM path, counting only while `measuring`.
-pub async fn subscriber(
+pub(super) async fn subscriber(
     ch: tonic::transport::Channel,
     stop: Arc<AtomicBool>,
     measuring: Arc<AtomicBool>,

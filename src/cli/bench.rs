@@ -9,7 +9,7 @@ use crate::bench::{self, BenchConfig, Mix, Publisher};
 
 /// `kvbridge bench` flags.
 #[derive(clap::Args, Debug)]
-pub struct BenchArgs {
+pub(super) struct BenchArgs {
     /// Engine batches per second (open loop, scheduled by the clock).
     #[arg(long, default_value_t = 1000)]
     rate: u64,
@@ -56,7 +56,7 @@ pub struct BenchArgs {
 
 /// `kvbridge bench-reader` (internal: one shared-memory reader process of the bench).
 #[derive(clap::Args, Debug)]
-pub struct BenchReaderArgs {
+pub(super) struct BenchReaderArgs {
     #[arg(long)]
     shm: PathBuf,
     #[arg(long = "run-ms")]

@@ -21,7 +21,7 @@ use crate::sim::{encode_batch, EnginePublisher, Layout, Workload};
 
 /// `kvbridge demo` flags.
 #[derive(clap::Args, Debug)]
-pub struct DemoArgs {
+pub(super) struct DemoArgs {
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
     duration: Option<u64>,
@@ -204,8 +204,8 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
                         let ingest = v.meta().ingest_ns;
                         // SAFETY: zero-copy read under the torn-read contract: prost parses
                         // untrusted bytes defensively, and `is_intact` is checked after it.
-                        let ok = KvEventBatch::decode(unsafe { v.payload() }).is_ok()
-                            && v.is_intact();
+                        let ok =
+                            KvEventBatch::decode(unsafe { v.payload() }).is_ok() && v.is_intact();
                         if ok {
                             lane.record(crate::clock::unix_nanos().saturating_sub(ingest) / 1000);
                         }

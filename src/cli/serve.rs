@@ -122,8 +122,8 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         seq_base: cfg.seq_base,
         group_read: cfg.shm_group_read,
     };
-    let (merged, recovered) =
-        RingHub::open("merged", &cfg.shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
+    let (merged, recovered) = RingHub::open("merged", &cfg.shm, &opts, &metrics)
+        .map_err(|e| setup(format!("--shm: {e}")))?;
     tracing::info!(path = %cfg.shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
@@ -224,7 +224,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
 }
 
 /// The ring file of one rank in `metadata` mode: `<shm>-rank<r>`.
-pub fn rank_ring_path(shm: &std::path::Path, rank: u32) -> std::path::PathBuf {
+pub(super) fn rank_ring_path(shm: &std::path::Path, rank: u32) -> std::path::PathBuf {
     let mut s = shm.as_os_str().to_owned();
     s.push(format!("-rank{rank}"));
     s.into()

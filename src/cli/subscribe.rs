@@ -7,7 +7,7 @@ use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 
 /// `kvbridge subscribe` flags.
 #[derive(clap::Args, Debug)]
-pub struct SubscribeArgs {
+pub(super) struct SubscribeArgs {
     /// Bridge address (`HOST:PORT` or `http://HOST:PORT`).
     #[arg(long, default_value = crate::config::DEFAULT_GRPC)]
     grpc: String,
@@ -38,42 +38,65 @@ pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
     let rt = super::runtime()?;
     rt.block_on(async move {
         let scheme = if a.tls_ca.is_some() { "https" } else { "http" };
-        let uri = if a.grpc.contains("://") { a.grpc.clone() } else { format!("{scheme}://{}", a.grpc) };
+        let uri = if a.grpc.contains("://") {
+            a.grpc.clone()
+        } else {
+            format!("{scheme}://{}", a.grpc)
+        };
         let mut endpoint = tonic::transport::Endpoint::from_shared(uri.clone())
             .map_err(|e| CliError::Setup(format!("--grpc {:?}: {e}", a.grpc)))?
             .connect_timeout(std::time::Duration::from_secs(5));
         if let Some(ca) = &a.tls_ca {
-            let pem = std::fs::read(ca).map_err(|e| CliError::Setup(format!("--tls-ca {}: {e}", ca.display())))?;
-            let mut tls = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(pem));
+            let pem = std::fs::read(ca)
+                .map_err(|e| CliError::Setup(format!("--tls-ca {}: {e}", ca.display())))?;
+            let mut tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(pem));
             if let Some(d) = &a.tls_domain {
                 tls = tls.domain_name(d.clone());
             }
-            endpoint = endpoint.tls_config(tls).map_err(|e| CliError::Setup(format!("--tls-ca {}: {e}", ca.display())))?;
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| CliError::Setup(format!("--tls-ca {}: {e}", ca.display())))?;
         }
         let token = match &a.auth_token_file {
             Some(f) => Some(
                 std::fs::read_to_string(f)
-                    .map_err(|e| CliError::Setup(format!("--auth-token-file {}: {e}", f.display())))?
+                    .map_err(|e| {
+                        CliError::Setup(format!("--auth-token-file {}: {e}", f.display()))
+                    })?
                     .trim()
                     .to_string(),
             ),
-            None => std::env::var(crate::config::AUTH_TOKEN_ENV).ok().map(|t| t.trim().to_string()),
+            None => std::env::var(crate::config::AUTH_TOKEN_ENV)
+                .ok()
+                .map(|t| t.trim().to_string()),
         };
-        let channel = endpoint.connect().await.map_err(|e| CliError::Setup(format!("--grpc {uri}: cannot connect: {e}")))?;
-        let mut req = tonic::Request::new(SubscribeKvEventsRequest { start_sequence_number: a.from, load_records_before_first_batch: false });
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| CliError::Setup(format!("--grpc {uri}: cannot connect: {e}")))?;
+        let mut req = tonic::Request::new(SubscribeKvEventsRequest {
+            start_sequence_number: a.from,
+            load_records_before_first_batch: false,
+        });
         if let Some(t) = token.filter(|t| !t.is_empty()) {
-            let v = format!("Bearer {t}")
-                .parse()
-                .map_err(|_| CliError::Setup("the auth token is not a valid header value".into()))?;
+            let v = format!("Bearer {t}").parse().map_err(|_| {
+                CliError::Setup("the auth token is not a valid header value".into())
+            })?;
             req.metadata_mut().insert("authorization", v);
         }
         if let Some(r) = a.rank {
-            req.metadata_mut().insert(crate::fanout::DP_RANK_HEADER, r.to_string().parse().expect("digits are valid metadata"));
+            req.metadata_mut().insert(
+                crate::fanout::DP_RANK_HEADER,
+                r.to_string().parse().expect("digits are valid metadata"),
+            );
         }
         let service = crate::proto::engine_service(&a.engine).expect("clap checked --engine");
         let path = http::uri::PathAndQuery::from_static(service.path);
         let mut grpc = tonic::client::Grpc::new(channel);
-        grpc.ready().await.map_err(|e| CliError::Setup(format!("--grpc {uri}: {e}")))?;
+        grpc.ready()
+            .await
+            .map_err(|e| CliError::Setup(format!("--grpc {uri}: {e}")))?;
         let codec = tonic_prost::ProstCodec::<SubscribeKvEventsRequest, KvEventBatch>::default();
         let resp = grpc.server_streaming(req, path, codec).await;
         let mut stream = resp.map_err(status_error)?.into_inner();
@@ -84,7 +107,9 @@ pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
         while a.count.is_none_or(|c| seen < c) {
             match stream.message().await {
                 Ok(Some(batch)) => {
-                    let line = printer.to_json(&batch.encode_to_vec()).map_err(CliError::Failed)?;
+                    let line = printer
+                        .to_json(&batch.encode_to_vec())
+                        .map_err(CliError::Failed)?;
                     let mut out = stdout.lock();
                     if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
                         return Ok(()); // stdout closed (e.g. piped into head)

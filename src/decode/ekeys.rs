@@ -30,10 +30,10 @@ impl Key<'_> {
     }
     /// Size of the key as field 6 of `KvBlock`.
     #[inline]
-    pub fn entry_len(&self) -> usize {
+    pub(super) fn entry_len(&self) -> usize {
         ld(self.inner())
     }
-    pub fn write(&self, w: &mut W<'_>) {
+    pub(super) fn write(&self, w: &mut W<'_>) {
         w.u8(0x32);
         w.varint(self.inner() as u64);
         match *self {

@@ -127,9 +127,9 @@ mod source;
 mod stats;
 mod write;
 
+pub use crate::ring::RecordHeader;
 pub use error::{DecodeError, DecodeErrorKind};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
-pub use crate::ring::RecordHeader;
 pub use source::{ClearedBatch, PlannedBatch};
 pub use stats::DecodeStats;
 

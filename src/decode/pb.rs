@@ -32,12 +32,12 @@ pub(crate) struct W<'a> {
 
 impl W<'_> {
     #[inline(always)]
-    pub fn u8(&mut self, b: u8) {
+    pub(crate) fn u8(&mut self, b: u8) {
         self.buf[self.pos] = b;
         self.pos += 1;
     }
     #[inline(always)]
-    pub fn varint(&mut self, mut v: u64) {
+    pub(crate) fn varint(&mut self, mut v: u64) {
         while v >= 0x80 {
             self.u8((v as u8) | 0x80);
             v >>= 7;
@@ -45,7 +45,7 @@ impl W<'_> {
         self.u8(v as u8);
     }
     #[inline(always)]
-    pub fn bytes(&mut self, s: &[u8]) {
+    pub(crate) fn bytes(&mut self, s: &[u8]) {
         let d = &mut self.buf[self.pos..self.pos + s.len()];
         if s.len() <= 16 {
             // short strings (medium, kind, …): avoid a memmove call
@@ -59,7 +59,7 @@ impl W<'_> {
     }
     /// Tag + length + bytes.
     #[inline(always)]
-    pub fn ld_bytes(&mut self, tag: u8, s: &[u8]) {
+    pub(crate) fn ld_bytes(&mut self, tag: u8, s: &[u8]) {
         self.u8(tag);
         self.varint(s.len() as u64);
         self.bytes(s);

@@ -12,7 +12,7 @@ use super::{code_label, EncodedBatch, Fanout, DP_RANK_HEADER};
 use crate::proto::common::SubscribeKvEventsRequest;
 
 /// Server code generated with `KvEventBatch` mapped to [`EncodedBatch`] (see `build.rs`).
-#[allow(missing_docs, clippy::all)]
+#[allow(missing_docs, unreachable_pub, clippy::all)]
 mod generated {
     pub mod sglang {
         include!(concat!(env!("OUT_DIR"), "/server/sglang.grpc.scheduler.rs"));
@@ -37,11 +37,12 @@ use generated::vllm::vllm_engine_server::VllmEngineServer;
 use generated::*;
 
 /// The response stream of every path.
-pub type BatchStream = Pin<Box<dyn Stream<Item = Result<EncodedBatch, Status>> + Send + 'static>>;
+pub(super) type BatchStream =
+    Pin<Box<dyn Stream<Item = Result<EncodedBatch, Status>> + Send + 'static>>;
 
 /// One handle per path, so that metrics can tell the paths apart.
 #[derive(Clone)]
-pub struct PathHandler {
+pub(super) struct PathHandler {
     fanout: Arc<Fanout>,
     path: &'static str,
     auth: Option<Arc<[u8]>>,

@@ -2,12 +2,12 @@
 //!
 //! Follow one batch through the files in this order:
 //!
-//! 1. [`rank`] — the rank thread: creates the SUB (and its socket monitor), polls it, receives
+//! 1. `rank.rs` — the rank thread: creates the SUB (and its socket monitor), polls it, receives
 //!    `[topic, seq, payload]` into reusable buffers and validates the frames ([`wire`]);
 //! 2. [`upstream`] — the per-publisher state machine (docs/engine-wire.md §8): apply, fill a gap
-//!    through the engine's replay ([`replay`], a DEALER to the engine's ROUTER), or signal a
+//!    through the engine's replay (`replay.rs`, a DEALER to the engine's ROUTER), or signal a
 //!    discontinuity in band;
-//! 3. [`sink`] — decodes the batch once ([`crate::decode`]) straight into ring records
+//! 3. `sink.rs` — decodes the batch once ([`crate::decode`]) straight into ring records
 //!    ([`crate::ring`]), on the same thread.
 //!
 //! Nothing downstream runs on a rank thread except that decode-and-commit, so the SUB is drained

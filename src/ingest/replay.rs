@@ -20,7 +20,6 @@ impl<'a> ZmqReplay<'a> {
         ZmqReplay { io, endpoint }
     }
 
-
     fn drain_live(&self, live: &mut dyn FnMut(u64, Vec<u8>)) {
         loop {
             match self.io.sub.recv_multipart(zmq::DONTWAIT) {
@@ -102,4 +101,3 @@ impl ReplaySource for ZmqReplay<'_> {
         }
     }
 }
-

@@ -2,8 +2,8 @@
 //!
 //! The hub is where encoded records get their numbers. It owns the ring's only writer (behind a
 //! mutex, because every ingest rank publishes into the merged ring), assigns `event_id`s, keeps
-//! the most recent records as shared [`Bytes`] ([`cache`]) so that live subscribers copy nothing
-//! of their own, counts what it wrote ([`gauges`]), and wakes in-process subscribers after each
+//! the most recent records as shared [`Bytes`] (`cache.rs`) so that live subscribers copy nothing
+//! of their own, counts what it wrote (`gauges.rs`), and wakes in-process subscribers after each
 //! commit. Readers in other processes use the ring file directly and are woken by the ring's
 //! futex.
 //!
@@ -31,8 +31,8 @@ use thiserror::Error;
 
 use crate::metrics::Metrics;
 use cache::{RecentCache, CACHE_MAX_BYTES};
-use gauges::RingMetrics;
 pub use gauges::spawn_heartbeat;
+use gauges::RingMetrics;
 pub use source::{ClearCause, RecordHeader, RecordSource, FLAG_SYNTHESIZED};
 
 /// Ring errors at the service edge.
