@@ -183,6 +183,14 @@ fn path_of<S: tonic::server::NamedService>() -> &'static str {
         .unwrap_or_else(|| panic!("{} is missing from ENGINE_SERVICES", S::NAME))
 }
 
+/// Generated server `S` around the handler for its own path.
+fn with_path<S: tonic::server::NamedService>(
+    new: impl FnOnce(PathHandler) -> S,
+    handler: &impl Fn(&'static str) -> PathHandler,
+) -> S {
+    new(handler(path_of::<S>()))
+}
+
 /// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically, plus
 /// reflection, with TLS, the token, the stream limit and health from `opts`.
 pub fn router_with(
@@ -211,18 +219,10 @@ pub fn router_with(
     // Records are kept under 4 MiB by the decoder's split threshold; the encode limit is left
     // at tonic's default (unlimited) so a limit here can never turn a valid record into an error.
     let mut router = builder
-        .add_service(SglangSchedulerServer::new(h(path_of::<
-            SglangSchedulerServer<PathHandler>,
-        >())))
-        .add_service(VllmEngineServer::new(h(path_of::<
-            VllmEngineServer<PathHandler>,
-        >())))
-        .add_service(TokenSpeedSchedulerServer::new(h(path_of::<
-            TokenSpeedSchedulerServer<PathHandler>,
-        >())))
-        .add_service(TrtllmServiceServer::new(h(path_of::<
-            TrtllmServiceServer<PathHandler>,
-        >())))
+        .add_service(with_path(SglangSchedulerServer::new, &h))
+        .add_service(with_path(VllmEngineServer::new, &h))
+        .add_service(with_path(TokenSpeedSchedulerServer::new, &h))
+        .add_service(with_path(TrtllmServiceServer::new, &h))
         .add_service(v1)
         .add_service(v1alpha);
     if let Some(reporter) = &opts.health {
