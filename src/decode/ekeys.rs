@@ -4,7 +4,7 @@
 //! (str, int) → `multimodal`; an array of such items → each item a key, one level of nested
 //! arrays flattened (vLLM writes `(lora_name, [(mm_hash, offset), …], salt)`). Anything else
 //! (nil/float/bool/map items, deeper arrays, non-UTF-8 text) is skipped and counted.
-use super::pb::{ld, vlen, W};
+use super::pb::{ld, tag, vlen, W};
 use super::reader::Cur;
 
 /// Array nesting followed below a block's entry.
@@ -34,23 +34,23 @@ impl Key<'_> {
         ld(self.inner())
     }
     pub fn write(&self, w: &mut W<'_>) {
-        w.u8(0x32);
+        w.u8(tag::KV_BLOCK_EXTRA_KEYS);
         w.varint(self.inner() as u64);
         match *self {
-            Key::Text(s) => w.ld_bytes(0x0a, s),
-            Key::Blob(s) => w.ld_bytes(0x12, s),
+            Key::Text(s) => w.ld_bytes(tag::KV_BLOCK_EXTRA_KEY_TEXT, s),
+            Key::Blob(s) => w.ld_bytes(tag::KV_BLOCK_EXTRA_KEY_BLOB, s),
             Key::Number(n) => {
-                w.u8(0x18);
+                w.u8(tag::KV_BLOCK_EXTRA_KEY_NUMBER);
                 w.varint(n as u64);
             }
             Key::Mm(id, off) => {
-                w.u8(0x22);
+                w.u8(tag::KV_BLOCK_EXTRA_KEY_MULTIMODAL);
                 w.varint(mm_len(id, off) as u64);
                 if !id.is_empty() {
-                    w.ld_bytes(0x0a, id);
+                    w.ld_bytes(tag::KV_MULTIMODAL_KEY_IDENTIFIER, id);
                 }
                 if off != 0 {
-                    w.u8(0x10);
+                    w.u8(tag::KV_MULTIMODAL_KEY_OFFSET);
                     w.varint(off as u64);
                 }
             }

@@ -427,7 +427,7 @@ impl Decoder {
 /// the record into it and returns its length.
 pub fn encode_cleared(hdr: &RecordHeader, ts: f64, out: &mut Vec<u8>) -> usize {
     let eid = hdr.first_event_id;
-    let ev = (if eid != 0 { 1 + pb::vlen(eid) } else { 0 }) + 2; // + `cleared {}` (22 00)
+    let ev = (if eid != 0 { 1 + pb::vlen(eid) } else { 0 }) + 2; // + `cleared {}`: tag, length 0
     let len = write::batch_len(hdr, ts, pb::ld(ev));
     out.clear();
     out.resize(len, 0);
@@ -436,13 +436,13 @@ pub fn encode_cleared(hdr: &RecordHeader, ts: f64, out: &mut Vec<u8>) -> usize {
         pos: 0,
     };
     write::write_head(&mut w, hdr, ts);
-    w.u8(0x1a);
+    w.u8(pb::tag::KV_EVENT_BATCH_EVENTS);
     w.varint(ev as u64);
     if eid != 0 {
-        w.u8(0x08);
+        w.u8(pb::tag::KV_CACHE_EVENT_EVENT_ID);
         w.varint(eid);
     }
-    w.u8(0x22);
+    w.u8(pb::tag::KV_CACHE_EVENT_CLEARED);
     w.u8(0x00);
     write::write_tail(&mut w, hdr);
     debug_assert_eq!(w.pos, len);

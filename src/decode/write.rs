@@ -2,7 +2,7 @@
 //! (field order, minimal varints, packed repeated scalars, proto3 default elision) — the exact
 //! bytes prost produces for the same message.
 use super::ekeys;
-use super::pb::{ld, vlen, W};
+use super::pb::{ld, tag, vlen, W};
 use super::reader::read_token;
 use super::{Decoder, Ev, EvKind, Part, RecordHeader, Span};
 
@@ -24,18 +24,18 @@ pub(crate) fn batch_len(hdr: &RecordHeader, ts: f64, events_len: usize) -> usize
 
 pub(crate) fn write_head(w: &mut W<'_>, hdr: &RecordHeader, ts: f64) {
     if hdr.sequence_number != 0 {
-        w.u8(0x08);
+        w.u8(tag::KV_EVENT_BATCH_SEQUENCE_NUMBER);
         w.varint(hdr.sequence_number);
     }
     if ts != 0.0 {
-        w.u8(0x11);
+        w.u8(tag::KV_EVENT_BATCH_TIMESTAMP);
         w.bytes(&ts.to_bits().to_le_bytes());
     }
 }
 
 pub(crate) fn write_tail(w: &mut W<'_>, hdr: &RecordHeader) {
     if let Some(r) = hdr.dp_rank {
-        w.u8(0x20);
+        w.u8(tag::KV_EVENT_BATCH_DP_RANK);
         w.varint(r as i64 as u64);
     }
 }
@@ -72,29 +72,29 @@ impl Decoder {
         for (k, p) in self.parts[r.p0 as usize..r.p1 as usize].iter().enumerate() {
             let eid = hdr.first_event_id.wrapping_add(k as u64);
             let d = p.data_len as usize;
-            w.u8(0x1a);
+            w.u8(tag::KV_EVENT_BATCH_EVENTS);
             w.varint(event_len(eid, d) as u64);
             if eid != 0 {
-                w.u8(0x08);
+                w.u8(tag::KV_CACHE_EVENT_EVENT_ID);
                 w.varint(eid);
             }
             let ev = &self.evs[p.ev as usize];
             let start = w.pos;
             match ev.kind {
                 EvKind::Stored => {
-                    w.u8(0x12);
+                    w.u8(tag::KV_CACHE_EVENT_STORED);
                     w.varint(d as u64);
                     self.write_store(buf, ev, p, w);
                 }
                 EvKind::Removed => {
-                    w.u8(0x1a);
+                    w.u8(tag::KV_CACHE_EVENT_REMOVED);
                     w.varint(d as u64);
                     self.write_removal(buf, ev, p, w);
                 }
                 EvKind::Cleared => {
-                    w.u8(0x22);
+                    w.u8(tag::KV_CACHE_EVENT_CLEARED);
                     w.varint(d as u64);
-                    opt_str(w, 0x0a, ev.ownership, buf);
+                    opt_str(w, tag::KV_CACHE_CLEARED_OWNERSHIP, ev.ownership, buf);
                 }
             }
             debug_assert_eq!(w.pos - start, ld(d));
@@ -107,14 +107,14 @@ impl Decoder {
         for i in p.lo..p.hi {
             let b = self.blocks[(ev.blk_start + i) as usize];
             let h = self.hashes[(ev.hash_start + i) as usize];
-            w.u8(0x0a);
+            w.u8(tag::KV_BLOCKS_STORED_BLOCKS);
             w.varint(b.body_len as u64);
             if h != 0 {
-                w.u8(0x08);
+                w.u8(tag::KV_BLOCK_BLOCK_HASH);
                 w.varint(h as u64);
             }
             if !ev.hash_only && b.tok_bytes > 0 {
-                w.u8(0x12);
+                w.u8(tag::KV_BLOCK_TOKEN_IDS);
                 w.varint(b.tok_bytes as u64);
                 let mut pos = b.tok_off as usize;
                 for _ in 0..ev.block_size {
@@ -123,11 +123,11 @@ impl Decoder {
                 }
             }
             if ev.block_size != 0 {
-                w.u8(0x18);
+                w.u8(tag::KV_BLOCK_BLOCK_SIZE);
                 w.varint(ev.block_size as i64 as u64);
             }
-            opt_v(w, 0x20, ev.lora_id.map(|v| v as u64));
-            opt_v(w, 0x28, cl);
+            opt_v(w, tag::KV_BLOCK_LORA_ID, ev.lora_id.map(|v| v as u64));
+            opt_v(w, tag::KV_BLOCK_CACHE_LEVEL, cl);
             if b.ek_off != 0 {
                 ekeys::walk(buf, b.ek_off as usize, &mut |k| k.write(w));
             }
@@ -137,34 +137,67 @@ impl Decoder {
         } else {
             Some(self.hashes[(ev.hash_start + p.lo - 1) as usize])
         };
-        opt_v(w, 0x10, parent.map(|v| v as u64));
-        opt_v(w, 0x18, ev.tier.map(u64::from));
-        opt_str(w, 0x22, ev.medium, buf);
-        opt_v(w, 0x28, ev.group_idx.map(u64::from));
-        opt_str(w, 0x32, ev.spec_kind, buf);
-        opt_v(w, 0x38, ev.sliding.map(u64::from));
-        opt_v(w, 0x40, ev.locality.map(u64::from));
-        opt_str(w, 0x4a, ev.ownership, buf);
-        opt_str(w, 0x52, ev.session_id, buf);
-        opt_str(w, 0x5a, ev.lora_name, buf);
-        opt_str(w, 0x62, ev.cache_salt, buf);
+        opt_v(
+            w,
+            tag::KV_BLOCKS_STORED_PARENT_BLOCK_HASH,
+            parent.map(|v| v as u64),
+        );
+        opt_v(w, tag::KV_BLOCKS_STORED_TIER, ev.tier.map(u64::from));
+        opt_str(w, tag::KV_BLOCKS_STORED_MEDIUM, ev.medium, buf);
+        opt_v(
+            w,
+            tag::KV_BLOCKS_STORED_GROUP_IDX,
+            ev.group_idx.map(u64::from),
+        );
+        opt_str(
+            w,
+            tag::KV_BLOCKS_STORED_KV_CACHE_SPEC_KIND,
+            ev.spec_kind,
+            buf,
+        );
+        opt_v(
+            w,
+            tag::KV_BLOCKS_STORED_KV_CACHE_SPEC_SLIDING_WINDOW,
+            ev.sliding.map(u64::from),
+        );
+        opt_v(
+            w,
+            tag::KV_BLOCKS_STORED_LOCALITY,
+            ev.locality.map(u64::from),
+        );
+        opt_str(w, tag::KV_BLOCKS_STORED_OWNERSHIP, ev.ownership, buf);
+        opt_str(w, tag::KV_BLOCKS_STORED_SESSION_ID, ev.session_id, buf);
+        opt_str(w, tag::KV_BLOCKS_STORED_LORA_NAME, ev.lora_name, buf);
+        opt_str(w, tag::KV_BLOCKS_STORED_CACHE_SALT, ev.cache_salt, buf);
     }
 
     fn write_removal(&self, buf: &[u8], ev: &Ev, p: &Part, w: &mut W<'_>) {
         let hs = &self.hashes[(ev.hash_start + p.lo) as usize..(ev.hash_start + p.hi) as usize];
         let packed: usize = hs.iter().map(|&h| vlen(h as u64)).sum();
         if packed > 0 {
-            w.u8(0x0a);
+            w.u8(tag::KV_BLOCKS_REMOVED_BLOCK_HASHES);
             w.varint(packed as u64);
             for &h in hs {
                 w.varint(h as u64);
             }
         }
-        opt_v(w, 0x10, ev.tier.map(|t| t as u64 - 1));
-        opt_v(w, 0x18, ev.tier.map(u64::from));
-        opt_str(w, 0x22, ev.medium, buf);
-        opt_v(w, 0x28, ev.group_idx.map(u64::from));
-        opt_v(w, 0x30, ev.locality.map(u64::from));
-        opt_str(w, 0x3a, ev.ownership, buf);
+        opt_v(
+            w,
+            tag::KV_BLOCKS_REMOVED_CACHE_LEVEL,
+            ev.tier.map(|t| t as u64 - 1),
+        );
+        opt_v(w, tag::KV_BLOCKS_REMOVED_TIER, ev.tier.map(u64::from));
+        opt_str(w, tag::KV_BLOCKS_REMOVED_MEDIUM, ev.medium, buf);
+        opt_v(
+            w,
+            tag::KV_BLOCKS_REMOVED_GROUP_IDX,
+            ev.group_idx.map(u64::from),
+        );
+        opt_v(
+            w,
+            tag::KV_BLOCKS_REMOVED_LOCALITY,
+            ev.locality.map(u64::from),
+        );
+        opt_str(w, tag::KV_BLOCKS_REMOVED_OWNERSHIP, ev.ownership, buf);
     }
 }
