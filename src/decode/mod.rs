@@ -120,6 +120,7 @@
 //! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
 mod error;
+mod filter;
 mod pb;
 mod plan;
 mod reader;
@@ -129,6 +130,8 @@ mod write;
 pub use error::{DecodeError, DecodeErrorKind};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
 pub use stats::DecodeStats;
+
+use filter::{GroupKind, Locality, Tier};
 
 /// Which events reach the SMG endpoint (smg-api.md §5 "SMG filter profile").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -222,12 +225,12 @@ pub(crate) enum EvKind {
 pub(crate) struct Ev {
     kind: EvKind,
     parent: Option<i64>,
-    tier: Option<u8>,
+    tier: Option<Tier>,
     medium: Option<Span>,
     group_idx: Option<u32>,
     spec_kind: Option<Span>,
     sliding: Option<u32>,
-    locality: Option<u8>,
+    locality: Option<Locality>,
     ownership: Option<Span>,
     session_id: Option<Span>,
     lora_name: Option<Span>,
@@ -312,8 +315,8 @@ pub struct Decoder {
     chunks: Vec<(u32, u32)>,
     /// The last pairable `block_size` (engines use one block size per group).
     bs_hint: u32,
-    /// 0 unknown, 1 main attention, 2 other, by group_idx.
-    group_kind: Vec<u8>,
+    /// The kind of each group seen with a `kv_cache_spec_kind`, by `group_idx` (filter.rs).
+    group_kind: Vec<GroupKind>,
     ts: f64,
     payload_len: usize,
     lost_removals: usize,

@@ -2,9 +2,10 @@
 //! batch into records. Everything goes into the decoder's reusable scratch vectors.
 use super::ekeys;
 use super::error::{DecodeError, DecodeErrorKind as K};
+use super::filter::{Locality, Tier, Traits};
 use super::pb::{ld, vlen};
 use super::reader::{bin_bits, read_token, Cur, Int, INT_SIZE};
-use super::{BatchPlan, BlockInfo, Decoder, Ev, EvKind, Part, Profile, Rec, Span};
+use super::{BatchPlan, BlockInfo, Decoder, Ev, EvKind, Part, Rec, Span};
 use rmp::Marker;
 
 /// Worst-case `KvEventBatch` bytes outside `events`: sequence_number (1 + 10), timestamp
@@ -223,29 +224,6 @@ fn read_opt_u32(c: &mut Cur<'_>, out: &mut Option<u32>) -> FR<()> {
 }
 
 #[inline]
-fn tier_of(medium: &[u8]) -> Option<u8> {
-    let eq = |s: &str| medium.eq_ignore_ascii_case(s.as_bytes());
-    if eq("GPU") {
-        Some(1)
-    } else if eq("CPU") || eq("CPU_PINNED") {
-        Some(2)
-    } else if eq("DISK") || eq("FS") || eq("STORAGE") {
-        Some(3)
-    } else if eq("OBJ") || eq("EXTERNAL") {
-        Some(4)
-    } else {
-        None
-    }
-}
-
-#[inline]
-fn is_main_kind(k: &[u8]) -> bool {
-    k.eq_ignore_ascii_case(b"full_attention")
-        || k.eq_ignore_ascii_case(b"mla_attention")
-        || k.eq_ignore_ascii_case(b"sink_full_attention")
-}
-
-#[inline]
 fn opt_ld(s: Option<Span>) -> usize {
     s.map_or(0, |s| ld(s.len as usize))
 }
@@ -254,9 +232,6 @@ fn opt_ld(s: Option<Span>) -> usize {
 fn opt_v(v: Option<u64>) -> usize {
     v.map_or(0, |v| 1 + vlen(v))
 }
-
-/// Group indices remembered for the kind filter.
-const MAX_GROUPS: usize = 4096;
 
 impl Decoder {
     pub(crate) fn plan_inner(&mut self, p: &[u8]) -> Result<BatchPlan, DecodeError> {
@@ -709,65 +684,24 @@ impl Decoder {
         }
     }
 
-    /// Tier (enum value) and locality (enum value); counts unknown locality.
-    fn classify(&mut self, buf: &[u8], f: &F) -> (Option<u8>, Option<u8>) {
-        let tier = f.medium.and_then(|s| tier_of(s.get(buf)));
-        let loc = f.locality.and_then(|s| {
-            let v = s.get(buf);
-            if v.eq_ignore_ascii_case(b"LOCAL") {
-                Some(1)
-            } else if v.eq_ignore_ascii_case(b"REMOTE") {
-                Some(2)
-            } else {
-                self.stats.locality_unknown += 1;
-                None
-            }
-        });
-        (tier, loc)
-    }
-
-    /// The SMG-profile filter shared by stores and removals: true = drop (counted).
-    fn filtered(&mut self, buf: &[u8], tier: Option<u8>, loc: Option<u8>, f: &F) -> bool {
-        // remember / look up the group's kind
-        let kind_main = match (f.kind, f.group) {
-            (Some(k), g) => {
-                let main = is_main_kind(k.get(buf));
-                if let Some(g) = g {
-                    let g = g as usize;
-                    if g < MAX_GROUPS {
-                        if self.group_kind.len() <= g {
-                            self.group_kind.resize(g + 1, 0);
-                        }
-                        self.group_kind[g] = if main { 1 } else { 2 };
-                    }
-                }
-                Some(main)
-            }
-            (None, Some(g)) => match self.group_kind.get(g as usize) {
-                Some(1) => Some(true),
-                Some(2) => Some(false),
-                _ => None,
-            },
-            (None, None) => None,
+    /// Tier and locality of a store or removal, or `None` when the profile drops it (counted).
+    /// The group's kind is remembered either way.
+    fn kept(
+        &mut self,
+        buf: &[u8],
+        f: &F,
+        unpairable: bool,
+    ) -> Option<(Option<Tier>, Option<Locality>)> {
+        let (tier, locality) = self.classify(buf, f.medium, f.locality);
+        let group = self.group_kind(buf, f.kind, f.group);
+        let t = Traits {
+            tier,
+            group,
+            locality,
+            ownership: f.ownership.map(|o| o.get(buf)),
+            unpairable,
         };
-        if self.cfg.profile != Profile::Smg {
-            return false;
-        }
-        if matches!(tier, Some(3) | Some(4)) {
-            self.stats.filtered_tier += 1;
-        } else if kind_main == Some(false) {
-            self.stats.filtered_group += 1;
-        } else if loc == Some(2) {
-            self.stats.filtered_remote += 1;
-        } else if f
-            .ownership
-            .is_some_and(|o| o.get(buf).eq_ignore_ascii_case(b"kvcr"))
-        {
-            self.stats.filtered_ownership += 1;
-        } else {
-            return false;
-        }
-        true
+        (!self.filtered(t)).then_some((tier, locality))
     }
 
     fn finish_store(&mut self, buf: &[u8], f: &F, hmark: usize) {
@@ -794,20 +728,15 @@ impl Decoder {
                 self.stats.unpairable_stores += 1;
             }
         }
-        let (tier, loc) = self.classify(buf, f);
-        if self.filtered(buf, tier, loc, f) {
+        let Some((tier, loc)) = self.kept(buf, f, !pairable) else {
             return self.hashes.truncate(hmark);
-        }
+        };
         if !pairable {
-            if self.cfg.profile == Profile::Smg {
-                self.stats.filtered_unpairable += 1;
-                return self.hashes.truncate(hmark);
-            }
             self.stats.hash_only_stores += 1;
         }
         // per-block measurement
         let bs_eff: i32 = if pairable { bs as i32 } else { 0 };
-        let cl = tier.map(|t| t as u64 - 1);
+        let cl = tier.map(|t| t.cache_level() as u64);
         let per_block = opt_v(if bs_eff != 0 {
             Some(bs_eff as i64 as u64)
         } else {
@@ -855,12 +784,12 @@ impl Decoder {
         if let Some(eoff) = f.extra {
             self.measure_extra(buf, eoff as usize, blk_start, n as usize);
         }
-        let fixed = opt_v(tier.map(u64::from))
+        let fixed = opt_v(tier.map(|t| t.value() as u64))
             + opt_ld(f.medium)
             + opt_v(f.group.map(u64::from))
             + opt_ld(f.kind)
             + opt_v(f.sliding.map(u64::from))
-            + opt_v(loc.map(u64::from))
+            + opt_v(loc.map(|l| l.value() as u64))
             + opt_ld(f.ownership)
             + opt_ld(f.session)
             + opt_ld(f.lora_name)
@@ -930,15 +859,14 @@ impl Decoder {
             self.stats.empty_events += 1;
             return self.hashes.truncate(hmark);
         }
-        let (tier, loc) = self.classify(buf, f);
-        if self.filtered(buf, tier, loc, f) {
+        let Some((tier, loc)) = self.kept(buf, f, false) else {
             return self.hashes.truncate(hmark);
-        }
-        let fixed = opt_v(tier.map(|t| t as u64 - 1))
-            + opt_v(tier.map(u64::from))
+        };
+        let fixed = opt_v(tier.map(|t| t.cache_level() as u64))
+            + opt_v(tier.map(|t| t.value() as u64))
             + opt_ld(f.medium)
             + opt_v(f.group.map(u64::from))
-            + opt_v(loc.map(u64::from))
+            + opt_v(loc.map(|l| l.value() as u64))
             + opt_ld(f.ownership);
         let ev = Ev {
             kind: EvKind::Removed,
@@ -963,11 +891,11 @@ impl Decoder {
         }
         self.hashes.truncate(hmark);
         self.stats.cleared_events += 1;
-        if self.cfg.profile == Profile::Smg
-            && f.ownership
-                .is_some_and(|o| o.get(buf).eq_ignore_ascii_case(b"kvcr"))
-        {
-            self.stats.filtered_ownership += 1;
+        let ownership = f.ownership.map(|o| o.get(buf));
+        if self.filtered(Traits {
+            ownership,
+            ..Traits::default()
+        }) {
             return;
         }
         let ev = Ev {

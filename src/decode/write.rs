@@ -103,7 +103,7 @@ impl Decoder {
     }
 
     fn write_store(&self, buf: &[u8], ev: &Ev, p: &Part, w: &mut W<'_>) {
-        let cl = ev.tier.map(|t| t as u64 - 1);
+        let cl = ev.tier.map(|t| t.cache_level() as u64);
         for i in p.lo..p.hi {
             let b = self.blocks[(ev.blk_start + i) as usize];
             let h = self.hashes[(ev.hash_start + i) as usize];
@@ -142,7 +142,11 @@ impl Decoder {
             tag::KV_BLOCKS_STORED_PARENT_BLOCK_HASH,
             parent.map(|v| v as u64),
         );
-        opt_v(w, tag::KV_BLOCKS_STORED_TIER, ev.tier.map(u64::from));
+        opt_v(
+            w,
+            tag::KV_BLOCKS_STORED_TIER,
+            ev.tier.map(|t| t.value() as u64),
+        );
         opt_str(w, tag::KV_BLOCKS_STORED_MEDIUM, ev.medium, buf);
         opt_v(
             w,
@@ -163,7 +167,7 @@ impl Decoder {
         opt_v(
             w,
             tag::KV_BLOCKS_STORED_LOCALITY,
-            ev.locality.map(u64::from),
+            ev.locality.map(|l| l.value() as u64),
         );
         opt_str(w, tag::KV_BLOCKS_STORED_OWNERSHIP, ev.ownership, buf);
         opt_str(w, tag::KV_BLOCKS_STORED_SESSION_ID, ev.session_id, buf);
@@ -184,9 +188,13 @@ impl Decoder {
         opt_v(
             w,
             tag::KV_BLOCKS_REMOVED_CACHE_LEVEL,
-            ev.tier.map(|t| t as u64 - 1),
+            ev.tier.map(|t| t.cache_level() as u64),
         );
-        opt_v(w, tag::KV_BLOCKS_REMOVED_TIER, ev.tier.map(u64::from));
+        opt_v(
+            w,
+            tag::KV_BLOCKS_REMOVED_TIER,
+            ev.tier.map(|t| t.value() as u64),
+        );
         opt_str(w, tag::KV_BLOCKS_REMOVED_MEDIUM, ev.medium, buf);
         opt_v(
             w,
@@ -196,7 +204,7 @@ impl Decoder {
         opt_v(
             w,
             tag::KV_BLOCKS_REMOVED_LOCALITY,
-            ev.locality.map(u64::from),
+            ev.locality.map(|l| l.value() as u64),
         );
         opt_str(w, tag::KV_BLOCKS_REMOVED_OWNERSHIP, ev.ownership, buf);
     }
