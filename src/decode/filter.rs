@@ -6,8 +6,8 @@
 //! kind is not main attention (stores, removals; the kind is remembered per `group_idx` for later
 //! events that omit it, under both profiles); REMOTE locality (stores, removals); ownership
 //! `kvcr`, case-insensitive (stores, removals, clears); unpairable stores.
+use super::scratch::Span;
 use super::stats::DecodeStats;
-use super::Span;
 use super::{Decoder, Profile};
 
 /// `KvCacheTier`, from the engine's `medium` (engine-wire §9). `cache_level` = tier − 1.

@@ -119,19 +119,22 @@
 //! vectors and deterministic mutations of both (`DECODE_MUTATIONS=20000000 cargo test --release
 //! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
+mod encode;
 mod error;
 mod filter;
 mod pb;
 mod plan;
 mod reader;
+mod scratch;
 mod stats;
-mod write;
 
+pub use encode::encode_cleared;
 pub use error::{DecodeError, DecodeErrorKind};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
 pub use stats::DecodeStats;
 
-use filter::{GroupKind, Locality, Tier};
+use filter::GroupKind;
+use scratch::{BlockInfo, Ev, Part, Rec};
 
 /// Which events reach the SMG endpoint (smg-api.md §5 "SMG filter profile").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -199,117 +202,22 @@ pub struct BatchPlan {
     pub lost_removals: usize,
 }
 
-/// A string in the payload.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Span {
-    off: u32,
-    len: u32,
-}
-
-impl Span {
-    #[inline]
-    fn get(self, buf: &[u8]) -> &[u8] {
-        &buf[self.off as usize..(self.off + self.len) as usize]
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum EvKind {
-    Stored,
-    Removed,
-    Cleared,
-}
-
-/// One emitted event (before splitting).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Ev {
-    kind: EvKind,
-    parent: Option<i64>,
-    tier: Option<Tier>,
-    medium: Option<Span>,
-    group_idx: Option<u32>,
-    spec_kind: Option<Span>,
-    sliding: Option<u32>,
-    locality: Option<Locality>,
-    ownership: Option<Span>,
-    session_id: Option<Span>,
-    lora_name: Option<Span>,
-    cache_salt: Option<Span>,
-    lora_id: Option<i64>,
-    /// Written on every block (0 = hash-only).
-    block_size: i32,
-    hash_only: bool,
-    hash_start: u32,
-    blk_start: u32,
-    /// Hashes (= blocks for stores).
-    n: u32,
-    /// Encoded bytes of the fields other than blocks+parent (stores) / hashes (removals).
-    fixed_len: u32,
-    /// Removals: Σ varint sizes of all hashes.
-    packed: u32,
-}
-
-impl Ev {
-    const EMPTY: Ev = Ev {
-        kind: EvKind::Cleared,
-        parent: None,
-        tier: None,
-        medium: None,
-        group_idx: None,
-        spec_kind: None,
-        sliding: None,
-        locality: None,
-        ownership: None,
-        session_id: None,
-        lora_name: None,
-        cache_salt: None,
-        lora_id: None,
-        block_size: 0,
-        hash_only: false,
-        hash_start: 0,
-        blk_start: 0,
-        n: 0,
-        fixed_len: 0,
-        packed: 0,
-    };
-}
-
-/// Per-block measurements of pass 1.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct BlockInfo {
-    tok_off: u32,
-    tok_bytes: u32,
-    /// Offset of the block's `extra_keys` entry (0 = none).
-    ek_off: u32,
-    body_len: u32,
-}
-
-/// One emitted event: blocks/hashes `lo..hi` of `evs[ev]`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Part {
-    ev: u32,
-    lo: u32,
-    hi: u32,
-    data_len: u32,
-}
-
-/// Parts `p0..p1` form one record.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Rec {
-    p0: u32,
-    p1: u32,
-}
-
 /// The decoder (one per ingest rank; keeps reusable scratch, the per-group kind memory of the
 /// SMG filter, and counters).
 #[derive(Debug)]
 pub struct Decoder {
     cfg: DecodeConfig,
     stats: DecodeStats,
+    // The plan (scratch.rs): cleared by every `plan`, capacity kept.
+    /// Every kept hash, as int64 bits, in event order.
     hashes: Vec<i64>,
+    /// Per block of a kept store.
     blocks: Vec<BlockInfo>,
+    /// Per kept event.
     evs: Vec<Ev>,
+    /// Per emitted event (a whole event or a part of a split one).
     parts: Vec<Part>,
+    /// Per record.
     recs: Vec<Rec>,
     /// Per-block (token offset, packed bytes) measured with `bs_hint` while reading tokens.
     chunks: Vec<(u32, u32)>,
@@ -317,9 +225,13 @@ pub struct Decoder {
     bs_hint: u32,
     /// The kind of each group seen with a `kv_cache_spec_kind`, by `group_idx` (filter.rs).
     group_kind: Vec<GroupKind>,
+    /// The batch's `ts`.
     ts: f64,
+    /// Length of the planned payload (checked by `write_record`).
     payload_len: usize,
+    /// See [`BatchPlan::lost_removals`].
     lost_removals: usize,
+    /// pack.rs: whether the last record still takes parts, and its worst-case bytes so far.
     open: bool,
     used: usize,
 }
@@ -366,7 +278,7 @@ impl Decoder {
         self.used = 0;
         self.payload_len = payload.len();
         self.stats.batches += 1;
-        match self.plan_inner(payload) {
+        match self.parse_batch(payload) {
             Ok(p) => {
                 self.stats.batches_ok += 1;
                 self.stats.records += self.recs.len() as u64;
@@ -423,33 +335,6 @@ impl Decoder {
     pub fn stats(&self) -> &DecodeStats {
         &self.stats
     }
-}
-
-/// A synthesized batch holding one `cleared` event without `ownership` (engine restart or
-/// unfillable gap, smg-api.md §6.4), with `event_id = hdr.first_event_id`. Clears `out`, writes
-/// the record into it and returns its length.
-pub fn encode_cleared(hdr: &RecordHeader, ts: f64, out: &mut Vec<u8>) -> usize {
-    let eid = hdr.first_event_id;
-    let ev = (if eid != 0 { 1 + pb::vlen(eid) } else { 0 }) + 2; // + `cleared {}`: tag, length 0
-    let len = write::batch_len(hdr, ts, pb::ld(ev));
-    out.clear();
-    out.resize(len, 0);
-    let mut w = pb::W {
-        buf: &mut out[..],
-        pos: 0,
-    };
-    write::write_head(&mut w, hdr, ts);
-    w.u8(pb::tag::KV_EVENT_BATCH_EVENTS);
-    w.varint(ev as u64);
-    if eid != 0 {
-        w.u8(pb::tag::KV_CACHE_EVENT_EVENT_ID);
-        w.varint(eid);
-    }
-    w.u8(pb::tag::KV_CACHE_EVENT_CLEARED);
-    w.u8(0x00);
-    write::write_tail(&mut w, hdr);
-    debug_assert_eq!(w.pos, len);
-    len
 }
 
 /// Fuzz / robustness entry point: plans `data` under both profiles and two thresholds, writes

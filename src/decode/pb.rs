@@ -23,21 +23,34 @@ pub(crate) fn ld(body: usize) -> usize {
     1 + vlen(body as u64) + body
 }
 
+/// Size of an optional varint field (tag byte + value); 0 when absent. Pairs with
+/// [`W::opt_varint`].
+#[inline(always)]
+pub(crate) fn opt_varint_len(v: Option<u64>) -> usize {
+    v.map_or(0, |v| 1 + vlen(v))
+}
+
+/// The varint of an `int32` / enum value (negative values take 10 bytes, as in prost).
+#[inline(always)]
+pub(crate) fn int32(v: i32) -> u64 {
+    v as i64 as u64
+}
+
 /// Writes into a caller-provided slice. Indexing panics if the slice is too short, which the
 /// callers rule out beforehand.
 pub(crate) struct W<'a> {
-    pub buf: &'a mut [u8],
-    pub pos: usize,
+    pub(crate) buf: &'a mut [u8],
+    pub(crate) pos: usize,
 }
 
 impl W<'_> {
     #[inline(always)]
-    pub fn u8(&mut self, b: u8) {
+    pub(crate) fn u8(&mut self, b: u8) {
         self.buf[self.pos] = b;
         self.pos += 1;
     }
     #[inline(always)]
-    pub fn varint(&mut self, mut v: u64) {
+    pub(crate) fn varint(&mut self, mut v: u64) {
         while v >= 0x80 {
             self.u8((v as u8) | 0x80);
             v >>= 7;
@@ -45,7 +58,7 @@ impl W<'_> {
         self.u8(v as u8);
     }
     #[inline(always)]
-    pub fn bytes(&mut self, s: &[u8]) {
+    pub(crate) fn bytes(&mut self, s: &[u8]) {
         let d = &mut self.buf[self.pos..self.pos + s.len()];
         if s.len() <= 16 {
             // short strings (medium, kind, …): avoid a memmove call
@@ -57,9 +70,22 @@ impl W<'_> {
         }
         self.pos += s.len();
     }
+    /// Tag + varint.
+    #[inline(always)]
+    pub(crate) fn field_varint(&mut self, tag: u8, v: u64) {
+        self.u8(tag);
+        self.varint(v);
+    }
+    /// Tag + varint when present (see [`opt_varint_len`]).
+    #[inline(always)]
+    pub(crate) fn opt_varint(&mut self, tag: u8, v: Option<u64>) {
+        if let Some(v) = v {
+            self.field_varint(tag, v);
+        }
+    }
     /// Tag + length + bytes.
     #[inline(always)]
-    pub fn ld_bytes(&mut self, tag: u8, s: &[u8]) {
+    pub(crate) fn ld_bytes(&mut self, tag: u8, s: &[u8]) {
         self.u8(tag);
         self.varint(s.len() as u64);
         self.bytes(s);
@@ -238,5 +264,7 @@ mod tests {
             w.varint(v);
             assert_eq!(w.pos, n, "{v}");
         }
+        assert_eq!(opt_varint_len(Some(int32(-1))), 11);
+        assert_eq!(opt_varint_len(None), 0);
     }
 }

@@ -1,25 +1,16 @@
 //! Pass 1: validate the whole payload, apply the profile, measure every submessage, and cut the
 //! batch into records. Everything goes into the decoder's reusable scratch vectors.
-use super::ekeys;
+use super::encode::{
+    block_len, block_shared_len, cleared_len, entry_bound, extra_key_entry_len, hashes_len,
+    parent_len, removed_fixed_len, stored_fixed_len, REC_OVERHEAD_MAX,
+};
 use super::error::{DecodeError, DecodeErrorKind as K};
 use super::filter::{Locality, Tier, Traits};
 use super::pb::{ld, vlen};
 use super::reader::{bin_bits, read_token, Cur, Int, INT_SIZE};
-use super::{BatchPlan, BlockInfo, Decoder, Ev, EvKind, Part, Rec, Span};
+use super::scratch::{BlockInfo, Ev, EvKind, Part, Rec, Span};
+use super::{ekeys, BatchPlan, Decoder};
 use rmp::Marker;
-
-/// Worst-case `KvEventBatch` bytes outside `events`: sequence_number (1 + 10), timestamp
-/// (1 + 8), dp_rank (1 + 10). Records are cut against this bound, so any header fits.
-pub(crate) const REC_OVERHEAD_MAX: usize = 31;
-
-/// Upper bound of the bytes of one `events` entry whose `data` body is `d` (< 2^32) bytes:
-/// tag 1 + length ≤ 5 + event_id ≤ 1 + 10 + data tag 1 + length ≤ 5 + `d`. A closed form
-/// instead of the exact varint sizes keeps pass 1 free of dependent size chains; it only
-/// makes cuts a few bytes more conservative.
-#[inline(always)]
-pub(crate) fn entry_bound(d: usize) -> usize {
-    d + 23
-}
 
 // Field ids (map keys / array positions).
 const F_TYPE: u32 = 0;
@@ -41,6 +32,7 @@ const F_LOOKAHEAD: u32 = 15;
 const F_SALT: u32 = 16;
 const F_METADATA: u32 = 17;
 
+/// Map keys that belong to each event type (others are read but counted as unknown keys).
 const ALLOW_STORED: u32 = (1 << 18) - 1;
 const ALLOW_REMOVED: u32 =
     1 << F_TYPE | 1 << F_HASHES | 1 << F_MEDIUM | 1 << F_GROUP | 1 << F_LOCALITY | 1 << F_OWNERSHIP;
@@ -70,8 +62,35 @@ fn key_id(k: &[u8]) -> Option<u32> {
     })
 }
 
+/// The field id at array position `i` (≥ 1) of a tagged array event (engine-wire §5.1/§5.2);
+/// `c` is at the value there.
+fn position_id(tag: Tag, i: u32, c: &Cur<'_>) -> Result<u32, DecodeError> {
+    Ok(match (tag, i) {
+        // `lora_name` when str/nil, SGLang's `metadata` when a map
+        (Tag::Stored, 7) => {
+            if matches!(
+                Marker::from_u8(c.peek()?),
+                Marker::FixMap(_) | Marker::Map16 | Marker::Map32
+            ) {
+                F_METADATA
+            } else {
+                F_LORA_NAME
+            }
+        }
+        (Tag::Stored, 8) => F_EXTRA,
+        (Tag::Stored, 9) => F_GROUP,
+        (Tag::Stored, 10) => F_KIND,
+        (Tag::Stored, 11) => F_SLIDING,
+        (Tag::Stored, i) => i, // 1..=6 match the field ids
+        (_, 1) => F_HASHES,
+        (_, 2) => F_MEDIUM,
+        _ => F_GROUP,
+    })
+}
+
+/// An event's tag.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Tag {
+pub(crate) enum Tag {
     Missing,
     Stored,
     Removed,
@@ -90,49 +109,62 @@ fn tag_of(s: &[u8]) -> Tag {
 
 /// Why a known event is skipped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Invalid {
+pub(crate) enum Invalid {
     Type,
     Utf8,
     Missing,
     TooManyBlocks,
 }
 
-/// Fields of one event as parsed (any tag).
-struct F {
-    tag: Tag,
-    seen: u32,
-    hashes: Option<(u32, u32)>,
-    /// Σ varint sizes of the hashes (packed `block_hashes` of a removal).
-    packed: u32,
-    parent: Option<i64>,
-    tokens: Option<(u32, u32)>,
-    /// Per-block token measurements made with the block-size hint: (start in `chunks`, bs).
-    chunks: Option<(u32, u32)>,
-    bs: Option<u64>,
-    lora_id: Option<i64>,
-    medium: Option<Span>,
-    lora_name: Option<Span>,
-    kind: Option<Span>,
-    locality: Option<Span>,
-    ownership: Option<Span>,
-    session: Option<Span>,
-    salt: Option<Span>,
-    extra: Option<u32>,
-    group: Option<u32>,
-    sliding: Option<u32>,
-    invalid: Option<Invalid>,
+/// `token_ids` as read.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tokens {
+    /// Offset of the first element.
+    pub(crate) off: u32,
+    /// Element count.
+    pub(crate) n: u32,
+    /// Per-block (offset, packed bytes) measured with the block-size hint: (start in
+    /// `Decoder::chunks`, the hint used).
+    pub(crate) chunks: Option<(u32, u32)>,
 }
 
-impl F {
+/// Fields of one event as parsed (any tag).
+pub(crate) struct Fields {
+    pub(crate) tag: Tag,
+    /// Map keys seen (bit per field id).
+    seen: u32,
+    /// (start in `Decoder::hashes`, count).
+    pub(crate) hashes: Option<(u32, u32)>,
+    /// Σ varint sizes of the hashes (packed `block_hashes` of a removal).
+    pub(crate) packed: u32,
+    pub(crate) parent: Option<i64>,
+    pub(crate) tokens: Option<Tokens>,
+    pub(crate) bs: Option<u64>,
+    pub(crate) lora_id: Option<i64>,
+    pub(crate) medium: Option<Span>,
+    pub(crate) lora_name: Option<Span>,
+    pub(crate) kind: Option<Span>,
+    pub(crate) locality: Option<Span>,
+    pub(crate) ownership: Option<Span>,
+    pub(crate) session: Option<Span>,
+    pub(crate) salt: Option<Span>,
+    /// Offset of a non-nil `extra_keys` value.
+    pub(crate) extra: Option<u32>,
+    pub(crate) group: Option<u32>,
+    pub(crate) sliding: Option<u32>,
+    /// The first reason the event failed validation.
+    pub(crate) invalid: Option<Invalid>,
+}
+
+impl Fields {
     fn new() -> Self {
-        F {
+        Fields {
             tag: Tag::Missing,
             seen: 0,
             hashes: None,
             packed: 0,
             parent: None,
             tokens: None,
-            chunks: None,
             bs: None,
             lora_id: None,
             medium: None,
@@ -166,75 +198,9 @@ fn span(c: &Cur<'_>, s: &[u8]) -> Span {
     }
 }
 
-#[inline]
-fn read_opt_str(c: &mut Cur<'_>, out: &mut Option<Span>) -> FR<()> {
-    let (m, at) = c.marker()?;
-    if m == Marker::Null {
-        *out = None;
-        return Ok(Ok(()));
-    }
-    match c.str_of(m, at)? {
-        Some(s) => {
-            if !s.is_ascii() && std::str::from_utf8(s).is_err() {
-                return Ok(Err(Invalid::Utf8));
-            }
-            *out = Some(span(c, s));
-            Ok(Ok(()))
-        }
-        None => Ok(Err(Invalid::Type)),
-    }
-}
-
-/// A hash / lora_id: int (low 64 bits) or bin (last 8 bytes BE, len ≥ 1); nil → None.
-#[inline]
-fn read_opt_hash(c: &mut Cur<'_>, out: &mut Option<i64>) -> FR<()> {
-    let (m, at) = c.marker()?;
-    if m == Marker::Null {
-        *out = None;
-        return Ok(Ok(()));
-    }
-    Ok(read_hash_after(c, m, at)?.map(|h| *out = Some(h)))
-}
-
-#[inline]
-fn read_hash_after(c: &mut Cur<'_>, m: Marker, at: usize) -> FR<i64> {
-    if let Some(i) = c.int_of(m)? {
-        return Ok(Ok(i.bits() as i64));
-    }
-    match c.bin_of(m, at)? {
-        Some(b) if !b.is_empty() => Ok(Ok(bin_bits(b) as i64)),
-        _ => Ok(Err(Invalid::Type)),
-    }
-}
-
-#[inline]
-fn read_opt_u32(c: &mut Cur<'_>, out: &mut Option<u32>) -> FR<()> {
-    let (m, _) = c.marker()?;
-    if m == Marker::Null {
-        *out = None;
-        return Ok(Ok(()));
-    }
-    match c.int_of(m)?.and_then(Int::as_u64) {
-        Some(v) if v <= u32::MAX as u64 => {
-            *out = Some(v as u32);
-            Ok(Ok(()))
-        }
-        _ => Ok(Err(Invalid::Type)),
-    }
-}
-
-#[inline]
-fn opt_ld(s: Option<Span>) -> usize {
-    s.map_or(0, |s| ld(s.len as usize))
-}
-
-#[inline]
-fn opt_v(v: Option<u64>) -> usize {
-    v.map_or(0, |v| 1 + vlen(v))
-}
-
 impl Decoder {
-    pub(crate) fn plan_inner(&mut self, p: &[u8]) -> Result<BatchPlan, DecodeError> {
+    /// Pass 1 over the whole payload (the scratch is already cleared).
+    pub(crate) fn parse_batch(&mut self, p: &[u8]) -> Result<BatchPlan, DecodeError> {
         if p.is_empty() {
             return Err(DecodeError::new(K::Empty, 0));
         }
@@ -249,64 +215,11 @@ impl Decoder {
         }
         let mut c = Cur::new(p, 0);
         let (m, at) = c.marker()?;
-        let mut ts = None;
-        let mut rank = None;
-        let mut nev_total = 0u64;
-        if let Some(n) = c.array_len(m, at)? {
-            if n < 2 {
-                return Err(DecodeError::new(K::BatchTooShort { len: n }, at));
-            }
-            ts = Some(read_ts(&mut c)?);
-            nev_total = self.events(&mut c)?;
-            if n >= 3 {
-                rank = read_rank(&mut c)?;
-            }
-            for _ in 3..n {
-                c.skip_value()?;
-                self.stats.unknown_keys += 1;
-            }
+        let head = if let Some(n) = c.array_len(m, at)? {
+            self.batch_array(&mut c, n, at)?
         } else if let Some(n) = c.map_len(m, at)? {
             self.stats.map_batches += 1;
-            let mut seen_events = false;
-            let mut seen_rank = false;
-            for _ in 0..n {
-                let (km, kat) = c.marker()?;
-                let key = c.str_of(km, kat)?;
-                let dup = |what| Err(DecodeError::new(K::DuplicateKey(what), kat));
-                match key {
-                    Some(b"ts") => {
-                        if ts.is_some() {
-                            return dup("ts");
-                        }
-                        ts = Some(read_ts(&mut c)?);
-                    }
-                    Some(b"events") => {
-                        if seen_events {
-                            return dup("events");
-                        }
-                        seen_events = true;
-                        nev_total = self.events(&mut c)?;
-                    }
-                    Some(b"data_parallel_rank") | Some(b"attn_dp_rank") => {
-                        if seen_rank {
-                            return dup("rank");
-                        }
-                        seen_rank = true;
-                        rank = read_rank(&mut c)?;
-                    }
-                    _ => {
-                        if key.is_none() {
-                            c.pos = kat;
-                            c.skip_value()?;
-                        }
-                        c.skip_value()?;
-                        self.stats.unknown_keys += 1;
-                    }
-                }
-            }
-            if !seen_events {
-                return Err(DecodeError::new(K::MissingField("events"), 0));
-            }
+            self.batch_map(&mut c, n)?
         } else {
             return Err(DecodeError::new(
                 K::WrongType {
@@ -315,16 +228,15 @@ impl Decoder {
                 },
                 0,
             ));
-        }
-        let ts = match ts {
-            Some(t) => t,
-            None => return Err(DecodeError::new(K::MissingField("ts"), 0)),
+        };
+        let Some(ts) = head.ts else {
+            return Err(DecodeError::new(K::MissingField("ts"), 0));
         };
         if c.pos != p.len() {
             self.stats.trailing_bytes += 1;
         }
         self.ts = ts;
-        if nev_total == 0 {
+        if head.events == 0 {
             self.stats.empty_batches += 1;
         } else if self.recs.is_empty() {
             self.stats.emptied_batches += 1;
@@ -335,9 +247,77 @@ impl Decoder {
         Ok(BatchPlan {
             records: self.recs.len(),
             ts,
-            rank,
+            rank: head.rank,
             lost_removals: self.lost_removals,
         })
+    }
+
+    /// `[ts, events]` or `[ts, events, rank]`, extra elements skipped (the array header, of `n`
+    /// elements at `at`, is read).
+    fn batch_array(&mut self, c: &mut Cur<'_>, n: u32, at: usize) -> Result<Head, DecodeError> {
+        if n < 2 {
+            return Err(DecodeError::new(K::BatchTooShort { len: n }, at));
+        }
+        let mut head = Head {
+            ts: Some(read_ts(c)?),
+            ..Head::default()
+        };
+        head.events = self.events(c)?;
+        if n >= 3 {
+            head.rank = read_rank(c)?;
+        }
+        for _ in 3..n {
+            c.skip_value()?;
+            self.stats.unknown_keys += 1;
+        }
+        Ok(head)
+    }
+
+    /// The map form, keyed `ts` / `events` / `data_parallel_rank` | `attn_dp_rank` (the map
+    /// header, of `n` pairs, is read).
+    fn batch_map(&mut self, c: &mut Cur<'_>, n: u32) -> Result<Head, DecodeError> {
+        let mut head = Head::default();
+        let mut seen_events = false;
+        let mut seen_rank = false;
+        for _ in 0..n {
+            let (km, kat) = c.marker()?;
+            let key = c.str_of(km, kat)?;
+            let dup = |what| Err(DecodeError::new(K::DuplicateKey(what), kat));
+            match key {
+                Some(b"ts") => {
+                    if head.ts.is_some() {
+                        return dup("ts");
+                    }
+                    head.ts = Some(read_ts(c)?);
+                }
+                Some(b"events") => {
+                    if seen_events {
+                        return dup("events");
+                    }
+                    seen_events = true;
+                    head.events = self.events(c)?;
+                }
+                Some(b"data_parallel_rank") | Some(b"attn_dp_rank") => {
+                    if seen_rank {
+                        return dup("rank");
+                    }
+                    seen_rank = true;
+                    head.rank = read_rank(c)?;
+                }
+                _ => {
+                    if key.is_none() {
+                        c.pos = kat;
+                        c.skip_value()?;
+                    }
+                    c.skip_value()?;
+                    self.stats.unknown_keys += 1;
+                }
+            }
+        }
+        if !seen_events {
+            return Err(DecodeError::new(K::MissingField("events"), 0));
+        }
+        Ok(head)
     }
 
     /// The events array: returns its declared length.
@@ -370,143 +350,144 @@ impl Decoder {
         Ok(n as u64)
     }
 
-    /// One event: parse, validate, filter, measure, pack. Only structural errors are returned.
+    /// One event: parse it, then add it to the plan (validate, filter, measure, pack). Only
+    /// structural errors are returned.
     fn event(&mut self, c: &mut Cur<'_>) -> Result<(), DecodeError> {
         let start = c.pos;
         let hmark = self.hashes.len();
-        let mut f = F::new();
+        let mut f = Fields::new();
         let (m, at) = c.marker()?;
-        if let Some(n) = c.array_len(m, at)? {
-            if n == 0 {
-                self.stats.malformed_events += 1;
-                return Ok(());
-            }
-            let (tm, tat) = c.marker()?;
-            match c.str_of(tm, tat)? {
-                Some(t) => f.tag = tag_of(t),
-                None => {
-                    c.pos = tat;
-                    c.skip_value()?;
-                    for _ in 1..n {
-                        c.skip_value()?;
-                    }
-                    self.stats.malformed_events += 1;
-                    return Ok(());
-                }
-            }
-            if f.tag == Tag::Unknown {
-                for _ in 1..n {
-                    c.skip_value()?;
-                }
-                self.stats.unknown_tags += 1;
-                return Ok(());
-            }
-            let max_pos = match f.tag {
-                Tag::Stored => 11,
-                Tag::Removed => 3,
-                _ => 0,
-            };
-            for i in 1..n {
-                if i > max_pos {
-                    c.skip_value()?;
-                    self.stats.unknown_keys += 1;
-                    continue;
-                }
-                let id = match (f.tag, i) {
-                    (Tag::Stored, 7) => {
-                        if matches!(
-                            Marker::from_u8(c.peek()?),
-                            Marker::FixMap(_) | Marker::Map16 | Marker::Map32
-                        ) {
-                            F_METADATA
-                        } else {
-                            F_LORA_NAME
-                        }
-                    }
-                    (Tag::Stored, 8) => F_EXTRA,
-                    (Tag::Stored, 9) => F_GROUP,
-                    (Tag::Stored, 10) => F_KIND,
-                    (Tag::Stored, 11) => F_SLIDING,
-                    (Tag::Stored, i) => i, // 1..=6 match the field ids
-                    (_, 1) => F_HASHES,
-                    (_, 2) => F_MEDIUM,
-                    _ => F_GROUP,
-                };
-                self.field(c, id, &mut f)?;
-            }
-            // array stores shorter than 5 lack required fields: caught by finalize
+        let known = if let Some(n) = c.array_len(m, at)? {
+            self.event_array(c, n, &mut f)?
         } else if let Some(n) = c.map_len(m, at)? {
-            for _ in 0..n {
-                let (km, kat) = c.marker()?;
-                let id = match c.str_of(km, kat)? {
-                    Some(k) => key_id(k),
-                    None => {
-                        c.pos = kat;
-                        c.skip_value()?;
-                        None
-                    }
-                };
-                match id {
-                    Some(id) if f.seen & (1 << id) == 0 => {
-                        f.seen |= 1 << id;
-                        if id == F_TYPE {
-                            let vs = c.pos;
-                            let (vm, vat) = c.marker()?;
-                            match c.str_of(vm, vat)? {
-                                Some(t) => f.tag = tag_of(t),
-                                None => {
-                                    c.pos = vs;
-                                    c.skip_value()?;
-                                    f.bad(Invalid::Type);
-                                }
-                            }
-                        } else {
-                            self.field(c, id, &mut f)?;
-                        }
-                    }
-                    Some(_) => {
-                        // duplicate key
-                        c.skip_value()?;
-                        f.bad(Invalid::Type);
-                    }
-                    None => {
-                        c.skip_value()?;
-                        self.stats.unknown_keys += 1;
-                    }
-                }
-            }
-            let allow = match f.tag {
-                Tag::Stored => ALLOW_STORED,
-                Tag::Removed => ALLOW_REMOVED,
-                Tag::Cleared => ALLOW_CLEARED,
-                _ => ALLOW_STORED,
-            };
-            self.stats.unknown_keys += (f.seen & !allow).count_ones() as u64;
-            if f.tag == Tag::Unknown {
-                self.hashes.truncate(hmark);
-                self.stats.unknown_tags += 1;
-                return Ok(());
-            }
-            if f.tag == Tag::Missing {
-                f.bad(Invalid::Missing);
-            }
+            self.event_map(c, n, &mut f)?
         } else {
             c.pos = start;
             c.skip_value()?;
             self.stats.malformed_events += 1;
+            false
+        };
+        if !known {
+            self.hashes.truncate(hmark);
             return Ok(());
         }
         let buf = c.buf;
         match f.tag {
-            Tag::Stored => self.finish_store(buf, &f, hmark),
-            Tag::Removed => self.finish_removal(buf, &f, hmark),
-            _ => self.finish_clear(buf, &f, hmark),
+            Tag::Stored => self.add_store(buf, &f, hmark),
+            Tag::Removed => self.add_removal(buf, &f, hmark),
+            _ => self.add_clear(buf, &f, hmark),
         }
         Ok(())
     }
 
+    /// A tagged array event of `n` elements into `f`. Returns false when it was skipped
+    /// (counted) for lacking a string tag or having an unknown one.
+    fn event_array(
+        &mut self,
+        c: &mut Cur<'_>,
+        n: u32,
+        f: &mut Fields,
+    ) -> Result<bool, DecodeError> {
+        if n == 0 {
+            self.stats.malformed_events += 1;
+            return Ok(false);
+        }
+        let (tm, tat) = c.marker()?;
+        let Some(t) = c.str_of(tm, tat)? else {
+            c.pos = tat;
+            for _ in 0..n {
+                c.skip_value()?;
+            }
+            self.stats.malformed_events += 1;
+            return Ok(false);
+        };
+        f.tag = tag_of(t);
+        if f.tag == Tag::Unknown {
+            for _ in 1..n {
+                c.skip_value()?;
+            }
+            self.stats.unknown_tags += 1;
+            return Ok(false);
+        }
+        let max_pos = match f.tag {
+            Tag::Stored => 11,
+            Tag::Removed => 3,
+            _ => 0,
+        };
+        for i in 1..n {
+            if i > max_pos {
+                c.skip_value()?;
+                self.stats.unknown_keys += 1;
+                continue;
+            }
+            let id = position_id(f.tag, i, c)?;
+            self.field(c, id, f)?;
+        }
+        // array stores shorter than 5 lack required fields: caught by `add_store`
+        Ok(true)
+    }
+
+    /// A tagged map event of `n` pairs into `f`. Returns false when it was skipped (counted)
+    /// for an unknown tag.
+    fn event_map(&mut self, c: &mut Cur<'_>, n: u32, f: &mut Fields) -> Result<bool, DecodeError> {
+        for _ in 0..n {
+            let (km, kat) = c.marker()?;
+            let id = match c.str_of(km, kat)? {
+                Some(k) => key_id(k),
+                None => {
+                    c.pos = kat;
+                    c.skip_value()?;
+                    None
+                }
+            };
+            match id {
+                Some(F_TYPE) if f.seen & 1 << F_TYPE == 0 => {
+                    f.seen |= 1 << F_TYPE;
+                    let vs = c.pos;
+                    let (vm, vat) = c.marker()?;
+                    match c.str_of(vm, vat)? {
+                        Some(t) => f.tag = tag_of(t),
+                        None => {
+                            c.pos = vs;
+                            c.skip_value()?;
+                            f.bad(Invalid::Type);
+                        }
+                    }
+                }
+                Some(id) if f.seen & (1 << id) == 0 => {
+                    f.seen |= 1 << id;
+                    self.field(c, id, f)?;
+                }
+                Some(_) => {
+                    // duplicate key
+                    c.skip_value()?;
+                    f.bad(Invalid::Type);
+                }
+                None => {
+                    c.skip_value()?;
+                    self.stats.unknown_keys += 1;
+                }
+            }
+        }
+        let allow = match f.tag {
+            Tag::Stored => ALLOW_STORED,
+            Tag::Removed => ALLOW_REMOVED,
+            Tag::Cleared => ALLOW_CLEARED,
+            _ => ALLOW_STORED,
+        };
+        self.stats.unknown_keys += (f.seen & !allow).count_ones() as u64;
+        if f.tag == Tag::Unknown {
+            self.stats.unknown_tags += 1;
+            return Ok(false);
+        }
+        if f.tag == Tag::Missing {
+            f.bad(Invalid::Missing);
+        }
+        Ok(true)
+    }
+
     /// Reads one known field into `f`; a semantic mismatch rewinds, skips and marks `f` invalid.
-    fn field(&mut self, c: &mut Cur<'_>, id: u32, f: &mut F) -> Result<(), DecodeError> {
+    fn field(&mut self, c: &mut Cur<'_>, id: u32, f: &mut Fields) -> Result<(), DecodeError> {
         let vs = c.pos;
         let r: Result<(), Invalid> = match id {
             F_HASHES => self.read_hashes(c)?.map(|(h, packed)| {
@@ -515,10 +496,7 @@ impl Decoder {
             }),
             F_PARENT => read_opt_hash(c, &mut f.parent)?,
             F_LORA_ID => read_opt_hash(c, &mut f.lora_id)?,
-            F_TOKENS => self.read_tokens(c)?.map(|(v, ch)| {
-                f.tokens = Some(v);
-                f.chunks = ch;
-            }),
+            F_TOKENS => self.read_tokens(c)?.map(|t| f.tokens = Some(t)),
             F_BS => {
                 let (m, _) = c.marker()?;
                 match c.int_of(m)?.and_then(Int::as_u64) {
@@ -560,14 +538,13 @@ impl Decoder {
         Ok(())
     }
 
-    /// `token_ids`: an array of ints; returns (offset of the first element, count) and, when the
-    /// count is a multiple of the block-size hint (the last pairable store's `block_size`), the
-    /// per-block (offset, packed bytes) measured on the way, so pass 1 walks the tokens once.
-    /// Without the hint only the structure is checked here (every element an int, in bounds);
-    /// the values (0 ≤ v ≤ u32::MAX) are then checked by the measuring walk, which runs for the
-    /// stores that are forwarded with tokens.
-    #[allow(clippy::type_complexity)]
-    fn read_tokens(&mut self, c: &mut Cur<'_>) -> FR<((u32, u32), Option<(u32, u32)>)> {
+    /// `token_ids`: an array of ints. When the count is a multiple of the block-size hint (the
+    /// last pairable store's `block_size`), the per-block (offset, packed bytes) are measured
+    /// on the way into `chunks`, so pass 1 walks the tokens once. Without the hint only the
+    /// structure is checked here (every element an int, in bounds); the values
+    /// (0 ≤ v ≤ u32::MAX) are then checked by the measuring walk, which runs for the stores
+    /// that are forwarded with tokens.
+    fn read_tokens(&mut self, c: &mut Cur<'_>) -> FR<Tokens> {
         let (m, at) = c.marker()?;
         let n = match c.array_len(m, at)? {
             Some(n) => n,
@@ -594,7 +571,11 @@ impl Decoder {
                 self.chunks.push((off as u32, tb as u32));
             }
             c.pos = pos;
-            return Ok(Ok(((first as u32, n), Some((start as u32, bs as u32)))));
+            return Ok(Ok(Tokens {
+                off: first as u32,
+                n,
+                chunks: Some((start as u32, bs as u32)),
+            }));
         }
         for _ in 0..n {
             let Some(&b) = buf.get(pos) else {
@@ -610,9 +591,14 @@ impl Decoder {
             return Ok(Err(Invalid::Type));
         }
         c.pos = pos;
-        Ok(Ok(((first as u32, n), None)))
+        Ok(Ok(Tokens {
+            off: first as u32,
+            n,
+            chunks: None,
+        }))
     }
 
+    /// `block_hashes` into `hashes`: returns ((start, count), Σ varint sizes).
     fn read_hashes(&mut self, c: &mut Cur<'_>) -> FR<((u32, u32), u32)> {
         let (m, at) = c.marker()?;
         let n = match c.array_len(m, at)? {
@@ -640,7 +626,8 @@ impl Decoder {
         Ok(Ok(((start, n), packed as u32)))
     }
 
-    fn read_metadata(&mut self, c: &mut Cur<'_>, f: &mut F) -> FR<()> {
+    /// SGLang's `metadata` map: `cache_salt` is lifted, other keys are skipped and counted.
+    fn read_metadata(&mut self, c: &mut Cur<'_>, f: &mut Fields) -> FR<()> {
         let (m, at) = c.marker()?;
         if m == Marker::Null {
             return Ok(Ok(()));
@@ -669,411 +656,75 @@ impl Decoder {
         }
         Ok(Ok(()))
     }
+}
 
-    fn malformed(&mut self, why: Invalid, removal: bool, hmark: usize) {
-        self.hashes.truncate(hmark);
-        self.stats.malformed_events += 1;
-        match why {
-            Invalid::Utf8 => self.stats.invalid_utf8 += 1,
-            Invalid::TooManyBlocks => self.stats.too_many_blocks += 1,
-            _ => {}
-        }
-        if removal {
-            self.stats.malformed_removals += 1;
-            self.lost_removals += 1;
-        }
+/// The batch-level values besides the events.
+#[derive(Default)]
+struct Head {
+    ts: Option<f64>,
+    rank: Option<i64>,
+    /// Declared event count.
+    events: u64,
+}
+
+/// A string (UTF-8-checked); nil → None.
+#[inline]
+fn read_opt_str(c: &mut Cur<'_>, out: &mut Option<Span>) -> FR<()> {
+    let (m, at) = c.marker()?;
+    if m == Marker::Null {
+        *out = None;
+        return Ok(Ok(()));
     }
-
-    /// Tier and locality of a store or removal, or `None` when the profile drops it (counted).
-    /// The group's kind is remembered either way.
-    fn kept(
-        &mut self,
-        buf: &[u8],
-        f: &F,
-        unpairable: bool,
-    ) -> Option<(Option<Tier>, Option<Locality>)> {
-        let (tier, locality) = self.classify(buf, f.medium, f.locality);
-        let group = self.group_kind(buf, f.kind, f.group);
-        let t = Traits {
-            tier,
-            group,
-            locality,
-            ownership: f.ownership.map(|o| o.get(buf)),
-            unpairable,
-        };
-        (!self.filtered(t)).then_some((tier, locality))
-    }
-
-    fn finish_store(&mut self, buf: &[u8], f: &F, hmark: usize) {
-        let (Some((hs, n)), Some((toff, ntok)), Some(bs)) = (f.hashes, f.tokens, f.bs) else {
-            let why = f.invalid.unwrap_or(Invalid::Missing);
-            return self.malformed(why, false, hmark);
-        };
-        if let Some(why) = f.invalid {
-            return self.malformed(why, false, hmark);
-        }
-        if bs > i32::MAX as u64 {
-            return self.malformed(Invalid::Type, false, hmark);
-        }
-        self.stats.stored_events += 1;
-        if n == 0 {
-            self.stats.empty_events += 1;
-            return self.hashes.truncate(hmark);
-        }
-        let pairable = bs > 0 && (n as u64) * bs == ntok as u64;
-        if !pairable {
-            if ntok == 0 && bs == 0 {
-                self.stats.placeholders += 1;
-            } else {
-                self.stats.unpairable_stores += 1;
+    match c.str_of(m, at)? {
+        Some(s) => {
+            if !s.is_ascii() && std::str::from_utf8(s).is_err() {
+                return Ok(Err(Invalid::Utf8));
             }
+            *out = Some(span(c, s));
+            Ok(Ok(()))
         }
-        let Some((tier, loc)) = self.kept(buf, f, !pairable) else {
-            return self.hashes.truncate(hmark);
-        };
-        if !pairable {
-            self.stats.hash_only_stores += 1;
-        }
-        // per-block measurement
-        let bs_eff: i32 = if pairable { bs as i32 } else { 0 };
-        let cl = tier.map(|t| t.cache_level() as u64);
-        let per_block = opt_v(if bs_eff != 0 {
-            Some(bs_eff as i64 as u64)
-        } else {
-            None
-        }) + opt_v(f.lora_id.map(|v| v as u64))
-            + opt_v(cl);
-        let blk_start = self.blocks.len();
-        let mut tpos = toff as usize;
-        let pre = match f.chunks {
-            Some((cs, cbs)) if pairable && cbs as u64 == bs => Some(cs as usize),
-            _ => None,
-        };
-        if pairable {
-            self.bs_hint = bs as u32;
-        }
-        for i in 0..n as usize {
-            let h = self.hashes[hs as usize + i];
-            let mut body = per_block + if h != 0 { 1 + vlen(h as u64) } else { 0 };
-            let mut tok_off = tpos as u32;
-            let mut tb = 0usize;
-            if let Some(cs) = pre {
-                let (o, t) = self.chunks[cs + i];
-                tok_off = o;
-                tb = t as usize;
-                body += ld(tb);
-            } else if pairable {
-                for _ in 0..bs {
-                    let Some(v) = read_token(buf, &mut tpos) else {
-                        // a token id that is negative or above u32::MAX
-                        self.blocks.truncate(blk_start);
-                        self.stats.stored_events -= 1;
-                        return self.malformed(Invalid::Type, false, hmark);
-                    };
-                    tb += vlen(v as u64);
-                }
-                body += ld(tb);
-            }
-            self.blocks.push(BlockInfo {
-                tok_off,
-                tok_bytes: tb as u32,
-                ek_off: 0,
-                body_len: body as u32,
-            });
-        }
-        if let Some(eoff) = f.extra {
-            self.measure_extra(buf, eoff as usize, blk_start, n as usize);
-        }
-        let fixed = opt_v(tier.map(|t| t.value() as u64))
-            + opt_ld(f.medium)
-            + opt_v(f.group.map(u64::from))
-            + opt_ld(f.kind)
-            + opt_v(f.sliding.map(u64::from))
-            + opt_v(loc.map(|l| l.value() as u64))
-            + opt_ld(f.ownership)
-            + opt_ld(f.session)
-            + opt_ld(f.lora_name)
-            + opt_ld(f.salt);
-        let ev = Ev {
-            kind: EvKind::Stored,
-            parent: f.parent,
-            tier,
-            medium: f.medium,
-            group_idx: f.group,
-            spec_kind: f.kind,
-            sliding: f.sliding,
-            locality: loc,
-            ownership: f.ownership,
-            session_id: f.session,
-            lora_name: f.lora_name,
-            cache_salt: f.salt,
-            lora_id: f.lora_id,
-            block_size: bs_eff,
-            hash_only: !pairable,
-            hash_start: hs,
-            blk_start: blk_start as u32,
-            n,
-            fixed_len: fixed as u32,
-            packed: 0,
-        };
-        self.evs.push(ev);
-        self.pack(hmark);
-    }
-
-    fn measure_extra(&mut self, buf: &[u8], off: usize, blk_start: usize, n: usize) {
-        let mut c = Cur::new(buf, off);
-        let Ok((m, at)) = c.marker() else { return };
-        let Ok(Some(len)) = c.array_len(m, at) else {
-            self.stats.extra_key_shapes_skipped += 1;
-            return;
-        };
-        if len as usize != n {
-            self.stats.extra_key_shapes_skipped += 1;
-        }
-        for i in 0..len as usize {
-            let p = c.pos;
-            if i < n && buf[p] != 0xc0 {
-                let mut sz = 0usize;
-                let skipped = ekeys::walk(buf, p, &mut |k| sz += k.entry_len());
-                self.stats.extra_key_shapes_skipped += skipped;
-                let b = &mut self.blocks[blk_start + i];
-                b.ek_off = p as u32;
-                b.body_len += sz as u32;
-            }
-            if c.skip_value().is_err() {
-                return;
-            }
-        }
-    }
-
-    fn finish_removal(&mut self, buf: &[u8], f: &F, hmark: usize) {
-        let Some((hs, n)) = f.hashes else {
-            let why = f.invalid.unwrap_or(Invalid::Missing);
-            return self.malformed(why, true, hmark);
-        };
-        if let Some(why) = f.invalid {
-            return self.malformed(why, true, hmark);
-        }
-        self.stats.removed_events += 1;
-        if n == 0 {
-            self.stats.empty_events += 1;
-            return self.hashes.truncate(hmark);
-        }
-        let Some((tier, loc)) = self.kept(buf, f, false) else {
-            return self.hashes.truncate(hmark);
-        };
-        let fixed = opt_v(tier.map(|t| t.cache_level() as u64))
-            + opt_v(tier.map(|t| t.value() as u64))
-            + opt_ld(f.medium)
-            + opt_v(f.group.map(u64::from))
-            + opt_v(loc.map(|l| l.value() as u64))
-            + opt_ld(f.ownership);
-        let ev = Ev {
-            kind: EvKind::Removed,
-            tier,
-            medium: f.medium,
-            group_idx: f.group,
-            locality: loc,
-            ownership: f.ownership,
-            hash_start: hs,
-            n,
-            fixed_len: fixed as u32,
-            packed: f.packed,
-            ..Ev::EMPTY
-        };
-        self.evs.push(ev);
-        self.pack(hmark);
-    }
-
-    fn finish_clear(&mut self, buf: &[u8], f: &F, hmark: usize) {
-        if let Some(why) = f.invalid {
-            return self.malformed(why, false, hmark);
-        }
-        self.hashes.truncate(hmark);
-        self.stats.cleared_events += 1;
-        let ownership = f.ownership.map(|o| o.get(buf));
-        if self.filtered(Traits {
-            ownership,
-            ..Traits::default()
-        }) {
-            return;
-        }
-        let ev = Ev {
-            kind: EvKind::Cleared,
-            ownership: f.ownership,
-            fixed_len: opt_ld(f.ownership) as u32,
-            ..Ev::EMPTY
-        };
-        self.evs.push(ev);
-        self.pack(hmark);
-    }
-
-    /// Body length of a store part's blocks field entries for blocks `lo..hi`.
-    #[inline]
-    fn blk_entry(&self, ev: &PackInfo, i: u32) -> usize {
-        ld(self.blocks[(ev.blk_start + i) as usize].body_len as usize)
-    }
-
-    #[inline]
-    fn parent_len(&self, ev: &PackInfo, lo: u32) -> usize {
-        let p = if lo == 0 {
-            ev.parent
-        } else {
-            Some(self.hashes[(ev.hash_start + lo - 1) as usize])
-        };
-        opt_v(p.map(|v| v as u64))
-    }
-
-    /// Adds an event's part(s) to the records, splitting when needed. Drops (and counts) an
-    /// event whose smallest part cannot fit into an empty record.
-    fn pack(&mut self, hmark: usize) {
-        let ev = {
-            let e = self.evs.last().expect("event pushed");
-            PackInfo {
-                kind: e.kind,
-                parent: e.parent,
-                n: e.n,
-                fixed_len: e.fixed_len,
-                blk_start: e.blk_start,
-                hash_start: e.hash_start,
-                packed: e.packed,
-            }
-        };
-        let thr = self.cfg.split_threshold;
-        let room = thr.saturating_sub(REC_OVERHEAD_MAX);
-        let ei = self.evs.len() as u32 - 1;
-        // whole-event size, and the largest unit (block / hash) for the oversize check
-        let (whole, unit_max) = match ev.kind {
-            EvKind::Stored => {
-                let mut s = 0usize;
-                let mut mx = 0usize;
-                for i in 0..ev.n {
-                    let e = self.blk_entry(&ev, i);
-                    s += e;
-                    mx = mx.max(e);
-                }
-                (
-                    ev.fixed_len as usize + self.parent_len(&ev, 0) + s,
-                    ev.fixed_len as usize + 11 + mx,
-                )
-            }
-            EvKind::Removed => {
-                let s = ev.packed as usize;
-                (
-                    ev.fixed_len as usize + ld(s),
-                    ev.fixed_len as usize + ld(10),
-                )
-            }
-            EvKind::Cleared => (ev.fixed_len as usize, ev.fixed_len as usize),
-        };
-        let eb = entry_bound(whole);
-        if self.open && self.used + eb <= thr {
-            self.push_part(ei, 0, ev.n, whole, eb);
-            return;
-        }
-        if eb <= room {
-            self.open = false;
-            self.push_part(ei, 0, ev.n, whole, eb);
-            return;
-        }
-        if entry_bound(unit_max) > room {
-            self.stats.oversized_events += 1;
-            if ev.kind == EvKind::Stored {
-                self.blocks.truncate(ev.blk_start as usize);
-            }
-            if ev.kind == EvKind::Removed {
-                self.lost_removals += 1;
-            }
-            self.hashes.truncate(hmark);
-            self.evs.pop();
-            return;
-        }
-
-        // split at block / hash boundaries
-        self.stats.split_events += 1;
-        let mut lo = 0u32;
-        while lo < ev.n {
-            if !self.open {
-                self.recs.push(Rec {
-                    p0: self.parts.len() as u32,
-                    p1: self.parts.len() as u32,
-                });
-                self.used = REC_OVERHEAD_MAX;
-                self.open = true;
-            }
-            let avail = thr - self.used;
-            let mut hi = lo;
-            let mut d;
-            match ev.kind {
-                EvKind::Stored => {
-                    d = ev.fixed_len as usize + self.parent_len(&ev, lo);
-                    while hi < ev.n {
-                        let nd = d + self.blk_entry(&ev, hi);
-                        if entry_bound(nd) > avail {
-                            break;
-                        }
-                        d = nd;
-                        hi += 1;
-                    }
-                }
-                _ => {
-                    let mut packed = 0usize;
-                    d = ev.fixed_len as usize;
-                    while hi < ev.n {
-                        let np = packed + vlen(self.hashes[(ev.hash_start + hi) as usize] as u64);
-                        let nd = ev.fixed_len as usize + ld(np);
-                        if entry_bound(nd) > avail {
-                            break;
-                        }
-                        packed = np;
-                        d = nd;
-                        hi += 1;
-                    }
-                }
-            }
-            if hi == lo {
-                // nothing fits in what is left of this record: start a fresh one
-                self.open = false;
-                continue;
-            }
-            let eb = entry_bound(d);
-            self.push_part(ei, lo, hi, d, eb);
-            lo = hi;
-            if lo < ev.n {
-                self.open = false;
-            }
-        }
-    }
-
-    fn push_part(&mut self, ev: u32, lo: u32, hi: u32, d: usize, eb: usize) {
-        if !self.open {
-            self.recs.push(Rec {
-                p0: self.parts.len() as u32,
-                p1: self.parts.len() as u32,
-            });
-            self.used = REC_OVERHEAD_MAX;
-            self.open = true;
-        }
-        self.parts.push(Part {
-            ev,
-            lo,
-            hi,
-            data_len: d as u32,
-        });
-        self.recs.last_mut().expect("open record").p1 += 1;
-        self.used += eb;
+        None => Ok(Err(Invalid::Type)),
     }
 }
 
-/// What `pack` needs of an event.
-struct PackInfo {
-    kind: EvKind,
-    parent: Option<i64>,
-    n: u32,
-    fixed_len: u32,
-    blk_start: u32,
-    hash_start: u32,
-    packed: u32,
+/// A hash / lora_id: int (low 64 bits) or bin (last 8 bytes BE, len ≥ 1); nil → None.
+#[inline]
+fn read_opt_hash(c: &mut Cur<'_>, out: &mut Option<i64>) -> FR<()> {
+    let (m, at) = c.marker()?;
+    if m == Marker::Null {
+        *out = None;
+        return Ok(Ok(()));
+    }
+    Ok(read_hash_after(c, m, at)?.map(|h| *out = Some(h)))
+}
+
+/// A hash whose marker `m` (at `at`) is read.
+#[inline]
+fn read_hash_after(c: &mut Cur<'_>, m: Marker, at: usize) -> FR<i64> {
+    if let Some(i) = c.int_of(m)? {
+        return Ok(Ok(i.bits() as i64));
+    }
+    match c.bin_of(m, at)? {
+        Some(b) if !b.is_empty() => Ok(Ok(bin_bits(b) as i64)),
+        _ => Ok(Err(Invalid::Type)),
+    }
+}
+
+/// A u32 (any int width, value in range); nil → None.
+#[inline]
+fn read_opt_u32(c: &mut Cur<'_>, out: &mut Option<u32>) -> FR<()> {
+    let (m, _) = c.marker()?;
+    if m == Marker::Null {
+        *out = None;
+        return Ok(Ok(()));
+    }
+    match c.int_of(m)?.and_then(Int::as_u64) {
+        Some(v) if v <= u32::MAX as u64 => {
+            *out = Some(v as u32);
+            Ok(Ok(()))
+        }
+        _ => Ok(Err(Invalid::Type)),
+    }
 }
 
 /// `ts`: float64, float32 or int.
@@ -1112,4 +763,378 @@ fn read_rank(c: &mut Cur<'_>) -> Result<Option<i64>, DecodeError> {
     c.pos = s;
     c.skip_value()?;
     Ok(None)
+}
+
+impl Decoder {
+    /// A parsed `BlockStored`: validated, classified, filtered, measured, packed.
+    pub(crate) fn add_store(&mut self, buf: &[u8], f: &Fields, hmark: usize) {
+        let (Some((hs, n)), Some(tok), Some(bs)) = (f.hashes, f.tokens, f.bs) else {
+            let why = f.invalid.unwrap_or(Invalid::Missing);
+            return self.malformed(why, false, hmark);
+        };
+        if let Some(why) = f.invalid {
+            return self.malformed(why, false, hmark);
+        }
+        if bs > i32::MAX as u64 {
+            return self.malformed(Invalid::Type, false, hmark);
+        }
+        self.stats.stored_events += 1;
+        if n == 0 {
+            self.stats.empty_events += 1;
+            return self.hashes.truncate(hmark);
+        }
+        let pairable = bs > 0 && (n as u64) * bs == tok.n as u64;
+        if !pairable {
+            if tok.n == 0 && bs == 0 {
+                self.stats.placeholders += 1;
+            } else {
+                self.stats.unpairable_stores += 1;
+            }
+        }
+        let Some((tier, locality)) = self.kept(buf, f, !pairable) else {
+            return self.hashes.truncate(hmark);
+        };
+        if !pairable {
+            self.stats.hash_only_stores += 1;
+        }
+        let mut ev = Ev {
+            kind: EvKind::Stored,
+            parent: f.parent,
+            tier,
+            medium: f.medium,
+            group_idx: f.group,
+            spec_kind: f.kind,
+            sliding: f.sliding,
+            locality,
+            ownership: f.ownership,
+            session_id: f.session,
+            lora_name: f.lora_name,
+            cache_salt: f.salt,
+            lora_id: f.lora_id,
+            block_size: if pairable { bs as i32 } else { 0 },
+            hash_start: hs,
+            blk_start: self.blocks.len() as u32,
+            n,
+            fixed_len: 0,
+            packed: 0,
+        };
+        if pairable {
+            self.bs_hint = bs as u32;
+        }
+        if !self.measure_blocks(buf, &ev, tok) {
+            // a token id that is negative or above u32::MAX
+            self.stats.stored_events -= 1;
+            return self.malformed(Invalid::Type, false, hmark);
+        }
+        if let Some(eoff) = f.extra {
+            self.measure_extra(buf, eoff as usize, ev.blk_start as usize, n as usize);
+        }
+        ev.fixed_len = stored_fixed_len(&ev) as u32;
+        self.pack(ev, hmark);
+    }
+
+    /// Pushes one [`BlockInfo`] per block of the store `ev` (`extra_keys` not yet counted),
+    /// measuring the packed token bytes of each — or taking them from the walk `read_tokens`
+    /// made with the block-size hint, when it used this store's `block_size`. Hash-only stores
+    /// get blocks without tokens. Returns false, with nothing pushed, on a token id that is not
+    /// a u32.
+    fn measure_blocks(&mut self, buf: &[u8], ev: &Ev, tok: Tokens) -> bool {
+        let shared = block_shared_len(ev);
+        let bs = ev.block_size as u32; // 0 = hash-only
+        let pre = match tok.chunks {
+            Some((cs, cbs)) if bs != 0 && cbs == bs => Some(cs as usize),
+            _ => None,
+        };
+        let mut tpos = tok.off as usize;
+        for i in 0..ev.n as usize {
+            let h = self.hashes[ev.hash_start as usize + i];
+            let mut tok_off = tpos as u32;
+            let mut tb = 0usize;
+            if let Some(cs) = pre {
+                let (o, t) = self.chunks[cs + i];
+                tok_off = o;
+                tb = t as usize;
+            } else if bs != 0 {
+                for _ in 0..bs {
+                    let Some(v) = read_token(buf, &mut tpos) else {
+                        self.blocks.truncate(ev.blk_start as usize);
+                        return false;
+                    };
+                    tb += vlen(v as u64);
+                }
+            }
+            self.blocks.push(BlockInfo {
+                tok_off,
+                tok_bytes: tb as u32,
+                ek_off: 0,
+                body_len: block_len(h, tb, shared) as u32,
+            });
+        }
+        true
+    }
+
+    /// Adds the `extra_keys` of blocks `blk_start..blk_start + n` from the store's
+    /// `extra_keys` list at `off` (one entry per block; a length mismatch or a non-list is
+    /// counted as a skipped shape).
+    fn measure_extra(&mut self, buf: &[u8], off: usize, blk_start: usize, n: usize) {
+        let mut c = Cur::new(buf, off);
+        let Ok((m, at)) = c.marker() else { return };
+        let Ok(Some(len)) = c.array_len(m, at) else {
+            self.stats.extra_key_shapes_skipped += 1;
+            return;
+        };
+        if len as usize != n {
+            self.stats.extra_key_shapes_skipped += 1;
+        }
+        for i in 0..len as usize {
+            let p = c.pos;
+            if i < n && buf[p] != 0xc0 {
+                let mut sz = 0usize;
+                let skipped = ekeys::walk(buf, p, &mut |k| sz += extra_key_entry_len(k));
+                self.stats.extra_key_shapes_skipped += skipped;
+                let b = &mut self.blocks[blk_start + i];
+                b.ek_off = p as u32;
+                b.body_len += sz as u32;
+            }
+            if c.skip_value().is_err() {
+                return;
+            }
+        }
+    }
+
+    /// A parsed `BlockRemoved`: validated, classified, filtered, measured, packed.
+    pub(crate) fn add_removal(&mut self, buf: &[u8], f: &Fields, hmark: usize) {
+        let Some((hs, n)) = f.hashes else {
+            let why = f.invalid.unwrap_or(Invalid::Missing);
+            return self.malformed(why, true, hmark);
+        };
+        if let Some(why) = f.invalid {
+            return self.malformed(why, true, hmark);
+        }
+        self.stats.removed_events += 1;
+        if n == 0 {
+            self.stats.empty_events += 1;
+            return self.hashes.truncate(hmark);
+        }
+        let Some((tier, locality)) = self.kept(buf, f, false) else {
+            return self.hashes.truncate(hmark);
+        };
+        let mut ev = Ev {
+            kind: EvKind::Removed,
+            tier,
+            medium: f.medium,
+            group_idx: f.group,
+            locality,
+            ownership: f.ownership,
+            hash_start: hs,
+            n,
+            packed: f.packed,
+            ..Ev::EMPTY
+        };
+        ev.fixed_len = removed_fixed_len(&ev) as u32;
+        self.pack(ev, hmark);
+    }
+
+    /// A parsed `AllBlocksCleared`: validated, filtered (ownership only), packed.
+    pub(crate) fn add_clear(&mut self, buf: &[u8], f: &Fields, hmark: usize) {
+        if let Some(why) = f.invalid {
+            return self.malformed(why, false, hmark);
+        }
+        self.hashes.truncate(hmark);
+        self.stats.cleared_events += 1;
+        let ownership = f.ownership.map(|o| o.get(buf));
+        if self.filtered(Traits {
+            ownership,
+            ..Traits::default()
+        }) {
+            return;
+        }
+        let mut ev = Ev {
+            kind: EvKind::Cleared,
+            ownership: f.ownership,
+            ..Ev::EMPTY
+        };
+        ev.fixed_len = cleared_len(&ev) as u32;
+        self.pack(ev, hmark);
+    }
+
+    /// Tier and locality of a store or removal, or `None` when the profile drops it (counted).
+    /// The group's kind is remembered either way.
+    fn kept(
+        &mut self,
+        buf: &[u8],
+        f: &Fields,
+        unpairable: bool,
+    ) -> Option<(Option<Tier>, Option<Locality>)> {
+        let (tier, locality) = self.classify(buf, f.medium, f.locality);
+        let group = self.group_kind(buf, f.kind, f.group);
+        let t = Traits {
+            tier,
+            group,
+            locality,
+            ownership: f.ownership.map(|o| o.get(buf)),
+            unpairable,
+        };
+        (!self.filtered(t)).then_some((tier, locality))
+    }
+
+    /// Skips an event that failed validation (counted by reason; a removal is a lost one).
+    fn malformed(&mut self, why: Invalid, removal: bool, hmark: usize) {
+        self.hashes.truncate(hmark);
+        self.stats.malformed_events += 1;
+        match why {
+            Invalid::Utf8 => self.stats.invalid_utf8 += 1,
+            Invalid::TooManyBlocks => self.stats.too_many_blocks += 1,
+            _ => {}
+        }
+        if removal {
+            self.stats.malformed_removals += 1;
+            self.lost_removals += 1;
+        }
+    }
+}
+
+impl Decoder {
+    /// Adds a kept event (its blocks already measured, its hashes at `hmark..`) as one part or,
+    /// split, several. Drops (and counts) an event whose smallest part cannot fit into an empty
+    /// record.
+    pub(crate) fn pack(&mut self, ev: Ev, hmark: usize) {
+        let thr = self.cfg.split_threshold;
+        let room = thr.saturating_sub(REC_OVERHEAD_MAX);
+        let (whole, unit_max) = self.event_sizes(&ev);
+        let eb = entry_bound(whole);
+        let fits_open = self.open && self.used + eb <= thr;
+        if fits_open || eb <= room {
+            if !fits_open {
+                self.open = false;
+            }
+            let ei = self.evs.len() as u32;
+            self.evs.push(ev);
+            self.push_part(ei, 0, ev.n, whole, eb);
+            return;
+        }
+        if entry_bound(unit_max) > room {
+            self.stats.oversized_events += 1;
+            if ev.kind == EvKind::Stored {
+                self.blocks.truncate(ev.blk_start as usize);
+            }
+            if ev.kind == EvKind::Removed {
+                self.lost_removals += 1;
+            }
+            self.hashes.truncate(hmark);
+            return;
+        }
+        self.stats.split_events += 1;
+        let ei = self.evs.len() as u32;
+        self.evs.push(ev);
+        self.split(&ev, ei);
+    }
+
+    /// The `data` body size of the whole event, and of its largest one-block (one-hash) part.
+    fn event_sizes(&self, ev: &Ev) -> (usize, usize) {
+        let fixed = ev.fixed_len as usize;
+        match ev.kind {
+            EvKind::Stored => {
+                let mut s = 0usize;
+                let mut mx = 0usize;
+                for i in 0..ev.n {
+                    let e = self.block_entry_len(ev, i);
+                    s += e;
+                    mx = mx.max(e);
+                }
+                // a part's parent is at most 11 bytes
+                (
+                    fixed + parent_len(self.part_parent(ev, 0)) + s,
+                    fixed + 11 + mx,
+                )
+            }
+            // a hash is at most a 10-byte varint
+            EvKind::Removed => (fixed + hashes_len(ev.packed as usize), fixed + ld(10)),
+            EvKind::Cleared => (fixed, fixed),
+        }
+    }
+
+    /// Emits `evs[ei]` (= `ev`) in parts at block / hash boundaries, each as large as what is
+    /// left of the open record allows (a fresh record when nothing fits).
+    fn split(&mut self, ev: &Ev, ei: u32) {
+        let thr = self.cfg.split_threshold;
+        let mut lo = 0u32;
+        while lo < ev.n {
+            if !self.open {
+                self.open_record();
+            }
+            let (hi, d) = self.fit(ev, lo, thr - self.used);
+            if hi == lo {
+                // nothing fits in what is left of this record: start a fresh one
+                self.open = false;
+                continue;
+            }
+            self.push_part(ei, lo, hi, d, entry_bound(d));
+            lo = hi;
+            if lo < ev.n {
+                self.open = false;
+            }
+        }
+    }
+
+    /// The longest part of `ev` from `lo` whose entry bound fits in `avail` bytes: its end
+    /// and its `data` body size.
+    fn fit(&self, ev: &Ev, lo: u32, avail: usize) -> (u32, usize) {
+        let fixed = ev.fixed_len as usize;
+        let mut hi = lo;
+        let mut d;
+        match ev.kind {
+            EvKind::Stored => {
+                d = fixed + parent_len(self.part_parent(ev, lo));
+                while hi < ev.n {
+                    let nd = d + self.block_entry_len(ev, hi);
+                    if entry_bound(nd) > avail {
+                        break;
+                    }
+                    d = nd;
+                    hi += 1;
+                }
+            }
+            _ => {
+                let mut packed = 0usize;
+                d = fixed;
+                while hi < ev.n {
+                    let np = packed + vlen(self.hashes[(ev.hash_start + hi) as usize] as u64);
+                    let nd = fixed + hashes_len(np);
+                    if entry_bound(nd) > avail {
+                        break;
+                    }
+                    packed = np;
+                    d = nd;
+                    hi += 1;
+                }
+            }
+        }
+        (hi, d)
+    }
+
+    fn open_record(&mut self) {
+        self.recs.push(Rec {
+            p0: self.parts.len() as u32,
+            p1: self.parts.len() as u32,
+        });
+        self.used = REC_OVERHEAD_MAX;
+        self.open = true;
+    }
+
+    /// Appends a part of `d` body bytes (entry bound `eb`) to the open record, opening one if
+    /// none is.
+    fn push_part(&mut self, ev: u32, lo: u32, hi: u32, d: usize, eb: usize) {
+        if !self.open {
+            self.open_record();
+        }
+        self.parts.push(Part {
+            ev,
+            lo,
+            hi,
+            data_len: d as u32,
+        });
+        self.recs.last_mut().expect("open record").p1 += 1;
+        self.used += eb;
+    }
 }
