@@ -5,8 +5,8 @@ use super::encode::{
     block_len, block_shared_len, cleared_len, extra_key_entry_len, removed_fixed_len,
     stored_fixed_len,
 };
+use super::fields::{Fields, Invalid, Tokens};
 use super::filter::{Locality, Tier, Traits};
-use super::parse::{Fields, Invalid, Tokens};
 use super::pb::vlen;
 use super::reader::{read_token, Cur};
 use super::scratch::{BlockInfo, Ev, EvKind};

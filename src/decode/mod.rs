@@ -121,6 +121,7 @@
 mod ekeys;
 mod encode;
 mod error;
+mod fields;
 mod filter;
 mod measure;
 mod pack;
