@@ -33,6 +33,32 @@
 //! are measured on the way using the last seen `block_size` as a hint (a store whose size differs
 //! from the hint gets one extra measuring walk), and once in pass 2.
 //!
+//! # Where things are
+//!
+//! Pass 1, in the order an event goes through it:
+//!
+//! * `parse.rs` — the batch (array or map form) and each event (tagged array or map): key names
+//!   and array positions to field ids, batch-level [`DecodeError`]s.
+//! * `fields.rs` — an event's fields as parsed, and what each field's value may be (typed
+//!   readers; hashes into the scratch, token sizes measured on the way).
+//! * `measure.rs` — a parsed event into the scratch: required fields checked, the filter asked,
+//!   every submessage measured.
+//! * `filter.rs` — the [`Profile`]: tier, locality and group kind as enums, and the one place
+//!   that says what [`Profile::Smg`] drops and why.
+//! * `pack.rs` — cutting the events into records, splitting the oversized ones.
+//! * `scratch.rs` — what pass 1 leaves for pass 2 (spans, events, blocks, parts, records).
+//!
+//! Pass 2 and the protobuf side:
+//!
+//! * `encode.rs` — for each SMG message its exact length (`*_len`, used by pass 1 and
+//!   [`Decoder::record_len`]) right next to its writer (`write_*`, pass 2), plus
+//!   [`encode_cleared`].
+//! * `pb.rs` — varint sizes, the slice writer, and the named field tags (`pb::tag`, checked
+//!   against `proto/smg/grpc/common.proto` by a unit test).
+//! * `ekeys.rs` — the shapes of `extra_keys` entries, walked by both passes.
+//! * `reader.rs` — the bounds-checked msgpack reader; `error.rs`, `stats.rs` — [`DecodeError`],
+//!   [`DecodeStats`].
+//!
 //! # Accepted layouts (engine-wire.md §3–§6)
 //!
 //! * Batch: array `[ts, events]` or `[ts, events, rank]` (extra trailing elements skipped and
@@ -69,7 +95,7 @@
 //!   [`Profile::All`] it is forwarded **hash-only**: every block carries its hash, lora_id,
 //!   cache_level and extra keys but no tokens and `block_size = 0` — it never claims wrong
 //!   tokens (engine-wire §9 option 1).
-//! * **SMG filter** ([`Profile::Smg`], default), first matching reason counted: DISK/EXTERNAL
+//! * **SMG filter** ([`Profile::Smg`], default; `filter.rs`), first matching reason counted: DISK/EXTERNAL
 //!   tier (stores, removals); a group whose `kv_cache_spec_kind` is not `full_attention` /
 //!   `mla_attention` / `sink_full_attention` (the kind is remembered per `group_idx` for later
 //!   events that omit it, also removals); REMOTE locality; ownership `kvcr` (case-insensitive;
@@ -80,7 +106,7 @@
 //! * **Event ids**: record *i*'s events get `first_event_id + k`; only emitted events (parts of
 //!   split events included) consume ids ([`Decoder::record_events`]).
 //!
-//! # Splitting
+//! # Splitting (`pack.rs`)
 //!
 //! Records are cut so that every record is ≤ `split_threshold` bytes **for any header** (the
 //! cut uses the worst case: 10-byte varints for sequence number, event ids and dp_rank, 5-byte
