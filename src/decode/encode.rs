@@ -9,7 +9,7 @@
 //! Splitting needs sizes that hold for *any* record header; those upper bounds
 //! ([`REC_OVERHEAD_MAX`], [`entry_bound`]) sit beside the exact lengths they bound.
 use super::ekeys::Key;
-use super::filter::Tier;
+use super::filter::{Locality, Tier};
 use super::pb::{int32, ld, opt_varint_len, tag, vlen, W};
 use super::reader::read_token;
 use super::scratch::{Ev, EvKind, Part, Span};
@@ -149,7 +149,7 @@ pub(crate) fn stored_fixed_len(ev: &Ev) -> usize {
         + opt_varint_len(ev.group_idx.map(u64::from))
         + opt_str_len(ev.spec_kind)
         + opt_varint_len(ev.sliding.map(u64::from))
-        + opt_varint_len(opt_i32(ev.locality.map(|l| l.value())))
+        + opt_varint_len(opt_i32(ev.locality.map(Locality::value)))
         + opt_str_len(ev.ownership)
         + opt_str_len(ev.session_id)
         + opt_str_len(ev.lora_name)
@@ -208,7 +208,7 @@ impl Decoder {
         );
         w.opt_varint(
             tag::KV_BLOCKS_STORED_LOCALITY,
-            opt_i32(ev.locality.map(|l| l.value())),
+            opt_i32(ev.locality.map(Locality::value)),
         );
         write_opt_str(w, tag::KV_BLOCKS_STORED_OWNERSHIP, ev.ownership, buf);
         write_opt_str(w, tag::KV_BLOCKS_STORED_SESSION_ID, ev.session_id, buf);
@@ -335,7 +335,7 @@ pub(crate) fn removed_fixed_len(ev: &Ev) -> usize {
         + opt_varint_len(opt_i32(ev.tier.map(Tier::value)))
         + opt_str_len(ev.medium)
         + opt_varint_len(ev.group_idx.map(u64::from))
-        + opt_varint_len(opt_i32(ev.locality.map(|l| l.value())))
+        + opt_varint_len(opt_i32(ev.locality.map(Locality::value)))
         + opt_str_len(ev.ownership)
 }
 
@@ -376,7 +376,7 @@ impl Decoder {
         );
         w.opt_varint(
             tag::KV_BLOCKS_REMOVED_LOCALITY,
-            opt_i32(ev.locality.map(|l| l.value())),
+            opt_i32(ev.locality.map(Locality::value)),
         );
         write_opt_str(w, tag::KV_BLOCKS_REMOVED_OWNERSHIP, ev.ownership, buf);
     }

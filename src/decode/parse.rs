@@ -251,7 +251,7 @@ impl Decoder {
     }
 
     /// A tagged array event of `n` elements into `f`. Returns false when it was skipped
-    /// (counted) for lacking a string tag or having an unknown one.
+    /// (counted) for being empty, lacking a string tag, or having an unknown one.
     fn event_array(
         &mut self,
         c: &mut Cur<'_>,
