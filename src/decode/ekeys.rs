@@ -1,66 +1,27 @@
-//! `extra_keys` entries → `KvBlockExtraKey`s (shared by both passes, so sizes and bytes agree).
+//! `extra_keys` entries → [`Key`]s, walked by both passes (pass 1 measures them, pass 2 writes
+//! them, with `extra_key_entry_len` / `write_extra_key` of `encode.rs`), so sizes and bytes agree.
 //!
 //! Block *i*'s entry: nil → no keys; str → `text`, bin → `blob`, int → `number`, a 2-array
 //! (str, int) → `multimodal`; an array of such items → each item a key, one level of nested
 //! arrays flattened (vLLM writes `(lora_name, [(mm_hash, offset), …], salt)`). Anything else
 //! (nil/float/bool/map items, deeper arrays, non-UTF-8 text) is skipped and counted.
-use super::pb::{ld, vlen, W};
+use super::error::DecodeError;
 use super::reader::Cur;
 
 /// Array nesting followed below a block's entry.
 const EK_DEPTH: u32 = 2;
 
+/// One `KvBlockExtraKey`, borrowing from the payload.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Key<'a> {
+    /// `text` (valid UTF-8).
     Text(&'a [u8]),
+    /// `blob`.
     Blob(&'a [u8]),
+    /// `number` (int64 bits).
     Number(i64),
+    /// `multimodal`: identifier, offset.
     Mm(&'a [u8], i64),
-}
-
-impl Key<'_> {
-    /// Body length of the `KvBlockExtraKey` message.
-    #[inline]
-    fn inner(&self) -> usize {
-        match *self {
-            Key::Text(s) | Key::Blob(s) => ld(s.len()),
-            Key::Number(n) => 1 + vlen(n as u64),
-            Key::Mm(id, off) => ld(mm_len(id, off)),
-        }
-    }
-    /// Size of the key as field 6 of `KvBlock`.
-    #[inline]
-    pub(super) fn entry_len(&self) -> usize {
-        ld(self.inner())
-    }
-    pub(super) fn write(&self, w: &mut W<'_>) {
-        w.u8(0x32);
-        w.varint(self.inner() as u64);
-        match *self {
-            Key::Text(s) => w.ld_bytes(0x0a, s),
-            Key::Blob(s) => w.ld_bytes(0x12, s),
-            Key::Number(n) => {
-                w.u8(0x18);
-                w.varint(n as u64);
-            }
-            Key::Mm(id, off) => {
-                w.u8(0x22);
-                w.varint(mm_len(id, off) as u64);
-                if !id.is_empty() {
-                    w.ld_bytes(0x0a, id);
-                }
-                if off != 0 {
-                    w.u8(0x10);
-                    w.varint(off as u64);
-                }
-            }
-        }
-    }
-}
-
-#[inline]
-fn mm_len(id: &[u8], off: i64) -> usize {
-    (if id.is_empty() { 0 } else { ld(id.len()) }) + if off != 0 { 1 + vlen(off as u64) } else { 0 }
 }
 
 /// Walks the (non-nil, structurally valid) entry at `pos`, calling `f` per key. Returns the
@@ -70,11 +31,7 @@ pub(crate) fn walk<'a>(buf: &'a [u8], pos: usize, f: &mut impl FnMut(Key<'a>)) -
     item(&mut c, 0, f).unwrap_or(1)
 }
 
-fn item<'a>(
-    c: &mut Cur<'a>,
-    depth: u32,
-    f: &mut impl FnMut(Key<'a>),
-) -> Result<u64, super::error::DecodeError> {
+fn item<'a>(c: &mut Cur<'a>, depth: u32, f: &mut impl FnMut(Key<'a>)) -> Result<u64, DecodeError> {
     let start = c.pos;
     let (m, at) = c.marker()?;
     if let Some(s) = c.str_of(m, at)? {

@@ -70,7 +70,7 @@ pub enum DecodeErrorKind {
 }
 
 /// Why a payload could not be decoded at all (the whole batch is rejected; the caller treats it
-/// as an undecodable batch, engine-wire.md §8). Displays as "`<kind>` at byte `<offset>`".
+/// as an undecodable batch, docs/engine-wire.md §8). Displays as "`<kind>` at byte `<offset>`".
 #[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
 #[error("{kind} at byte {offset}")]
 pub struct DecodeError {

@@ -33,7 +33,33 @@
 //! are measured on the way using the last seen `block_size` as a hint (a store whose size differs
 //! from the hint gets one extra measuring walk), and once in pass 2.
 //!
-//! # Accepted layouts (engine-wire.md §3–§6)
+//! # Where things are
+//!
+//! Pass 1, in the order an event goes through it:
+//!
+//! * `parse.rs` — the batch (array or map form) and each event (tagged array or map): key names
+//!   and array positions to field ids, batch-level [`DecodeError`]s.
+//! * `fields.rs` — an event's fields as parsed, and what each field's value may be (typed
+//!   readers; hashes into the scratch, token sizes measured on the way).
+//! * `measure.rs` — a parsed event into the scratch: required fields checked, the filter asked,
+//!   every submessage measured.
+//! * `filter.rs` — the [`Profile`]: tier, locality and group kind as enums, and the one place
+//!   that says what [`Profile::Smg`] drops and why.
+//! * `pack.rs` — cutting the events into records, splitting the oversized ones.
+//! * `scratch.rs` — what pass 1 leaves for pass 2 (spans, events, blocks, parts, records).
+//!
+//! Pass 2 and the protobuf side:
+//!
+//! * `encode.rs` — for each SMG message its exact length (`*_len`, used by pass 1 and
+//!   [`Decoder::record_len`]) right next to its writer (`write_*`, pass 2), plus
+//!   [`encode_cleared`].
+//! * `pb.rs` — varint sizes, the slice writer, and the named field tags (`pb::tag`, checked
+//!   against `proto/smg/grpc/common.proto` by a unit test).
+//! * `ekeys.rs` — the shapes of `extra_keys` entries, walked by both passes.
+//! * `reader.rs` — the bounds-checked msgpack reader; `error.rs`, `stats.rs` — [`DecodeError`],
+//!   [`DecodeStats`].
+//!
+//! # Accepted layouts (docs/engine-wire.md §3–§6)
 //!
 //! * Batch: array `[ts, events]` or `[ts, events, rank]` (extra trailing elements skipped and
 //!   counted as unknown keys); a map batch keyed `ts` / `events` / `data_parallel_rank` |
@@ -69,7 +95,7 @@
 //!   [`Profile::All`] it is forwarded **hash-only**: every block carries its hash, lora_id,
 //!   cache_level and extra keys but no tokens and `block_size = 0` — it never claims wrong
 //!   tokens (engine-wire §9 option 1).
-//! * **SMG filter** ([`Profile::Smg`], default), first matching reason counted: DISK/EXTERNAL
+//! * **SMG filter** ([`Profile::Smg`], default; `filter.rs`), first matching reason counted: DISK/EXTERNAL
 //!   tier (stores, removals); a group whose `kv_cache_spec_kind` is not `full_attention` /
 //!   `mla_attention` / `sink_full_attention` (the kind is remembered per `group_idx` for later
 //!   events that omit it, also removals); REMOTE locality; ownership `kvcr` (case-insensitive;
@@ -80,7 +106,7 @@
 //! * **Event ids**: record *i*'s events get `first_event_id + k`; only emitted events (parts of
 //!   split events included) consume ids ([`Decoder::record_events`]).
 //!
-//! # Splitting
+//! # Splitting (`pack.rs`)
 //!
 //! Records are cut so that every record is ≤ `split_threshold` bytes **for any header** (the
 //! cut uses the worst case: 10-byte varints for sequence number, event ids and dp_rank, 5-byte
@@ -119,21 +145,30 @@
 //! vectors and deterministic mutations of both (`DECODE_MUTATIONS=20000000 cargo test --release
 //! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
+mod encode;
 mod error;
+mod fields;
+mod filter;
+mod measure;
+mod pack;
+mod parse;
 mod pb;
-mod plan;
 mod reader;
+mod scratch;
 mod source;
 mod stats;
-mod write;
 
-pub use crate::ring::RecordHeader;
+pub use encode::encode_cleared;
 pub use error::{DecodeError, DecodeErrorKind};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
+pub use crate::ring::RecordHeader;
 pub use source::{ClearedBatch, PlannedBatch};
 pub use stats::DecodeStats;
 
-/// Which events reach the SMG endpoint (smg-api.md §5 "SMG filter profile").
+use filter::GroupKind;
+use scratch::{BlockInfo, Ev, Part, Rec};
+
+/// Which events reach the SMG endpoint (docs/smg-api.md §5 "SMG filter profile").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Profile {
     /// Drop what SMG gateways would misindex: DISK/EXTERNAL tiers, non-main-attention groups,
@@ -188,127 +223,36 @@ pub struct BatchPlan {
     pub lost_removals: usize,
 }
 
-/// A string in the payload.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Span {
-    off: u32,
-    len: u32,
-}
-
-impl Span {
-    #[inline]
-    fn get(self, buf: &[u8]) -> &[u8] {
-        &buf[self.off as usize..(self.off + self.len) as usize]
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum EvKind {
-    Stored,
-    Removed,
-    Cleared,
-}
-
-/// One emitted event (before splitting).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Ev {
-    kind: EvKind,
-    parent: Option<i64>,
-    tier: Option<u8>,
-    medium: Option<Span>,
-    group_idx: Option<u32>,
-    spec_kind: Option<Span>,
-    sliding: Option<u32>,
-    locality: Option<u8>,
-    ownership: Option<Span>,
-    session_id: Option<Span>,
-    lora_name: Option<Span>,
-    cache_salt: Option<Span>,
-    lora_id: Option<i64>,
-    /// Written on every block (0 = hash-only).
-    block_size: i32,
-    hash_only: bool,
-    hash_start: u32,
-    blk_start: u32,
-    /// Hashes (= blocks for stores).
-    n: u32,
-    /// Encoded bytes of the fields other than blocks+parent (stores) / hashes (removals).
-    fixed_len: u32,
-    /// Removals: Σ varint sizes of all hashes.
-    packed: u32,
-}
-
-impl Ev {
-    const EMPTY: Ev = Ev {
-        kind: EvKind::Cleared,
-        parent: None,
-        tier: None,
-        medium: None,
-        group_idx: None,
-        spec_kind: None,
-        sliding: None,
-        locality: None,
-        ownership: None,
-        session_id: None,
-        lora_name: None,
-        cache_salt: None,
-        lora_id: None,
-        block_size: 0,
-        hash_only: false,
-        hash_start: 0,
-        blk_start: 0,
-        n: 0,
-        fixed_len: 0,
-        packed: 0,
-    };
-}
-
-/// Per-block measurements of pass 1.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct BlockInfo {
-    tok_off: u32,
-    tok_bytes: u32,
-    /// Offset of the block's `extra_keys` entry (0 = none).
-    ek_off: u32,
-    body_len: u32,
-}
-
-/// One emitted event: blocks/hashes `lo..hi` of `evs[ev]`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Part {
-    ev: u32,
-    lo: u32,
-    hi: u32,
-    data_len: u32,
-}
-
-/// Parts `p0..p1` form one record.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Rec {
-    p0: u32,
-    p1: u32,
-}
-
 /// The decoder (one per ingest rank; keeps reusable scratch, the per-group kind memory of the
 /// SMG filter, and counters).
 #[derive(Debug)]
 pub struct Decoder {
     cfg: DecodeConfig,
     stats: DecodeStats,
+    // The plan (scratch.rs): cleared by every `plan`, capacity kept.
+    /// Every kept hash, as int64 bits, in event order.
     hashes: Vec<i64>,
+    /// Per block of a kept store.
     blocks: Vec<BlockInfo>,
+    /// Per kept event.
     evs: Vec<Ev>,
+    /// Per emitted event (a whole event or a part of a split one).
     parts: Vec<Part>,
+    /// Per record.
     recs: Vec<Rec>,
     /// Per-block (token offset, packed bytes) measured with `bs_hint` while reading tokens.
     chunks: Vec<(u32, u32)>,
     /// The last pairable `block_size` (engines use one block size per group).
     bs_hint: u32,
-    /// 0 unknown, 1 main attention, 2 other, by group_idx.
-    group_kind: Vec<u8>,
+    /// The kind of each group seen with a `kv_cache_spec_kind`, by `group_idx` (filter.rs).
+    group_kind: Vec<GroupKind>,
+    /// The batch's `ts`.
     ts: f64,
+    /// Length of the planned payload (checked by `write_record`).
     payload_len: usize,
+    /// See [`BatchPlan::lost_removals`].
     lost_removals: usize,
+    /// pack.rs: whether the last record still takes parts, and its worst-case bytes so far.
     open: bool,
     used: usize,
 }
@@ -355,7 +299,7 @@ impl Decoder {
         self.used = 0;
         self.payload_len = payload.len();
         self.stats.batches += 1;
-        match self.plan_inner(payload) {
+        match self.parse_batch(payload) {
             Ok(p) => {
                 self.stats.batches_ok += 1;
                 self.stats.records += self.recs.len() as u64;
@@ -412,33 +356,6 @@ impl Decoder {
     pub fn stats(&self) -> &DecodeStats {
         &self.stats
     }
-}
-
-/// A synthesized batch holding one `cleared` event without `ownership` (engine restart or
-/// unfillable gap, smg-api.md §6.4), with `event_id = hdr.first_event_id`. Clears `out`, writes
-/// the record into it and returns its length.
-pub fn encode_cleared(hdr: &RecordHeader, ts: f64, out: &mut Vec<u8>) -> usize {
-    let eid = hdr.first_event_id;
-    let ev = (if eid != 0 { 1 + pb::vlen(eid) } else { 0 }) + 2; // + `cleared {}` (22 00)
-    let len = write::batch_len(hdr, ts, pb::ld(ev));
-    out.clear();
-    out.resize(len, 0);
-    let mut w = pb::W {
-        buf: &mut out[..],
-        pos: 0,
-    };
-    write::write_head(&mut w, hdr, ts);
-    w.u8(0x1a);
-    w.varint(ev as u64);
-    if eid != 0 {
-        w.u8(0x08);
-        w.varint(eid);
-    }
-    w.u8(0x22);
-    w.u8(0x00);
-    write::write_tail(&mut w, hdr);
-    debug_assert_eq!(w.pos, len);
-    len
 }
 
 /// Fuzz / robustness entry point: plans `data` under both profiles and two thresholds, writes

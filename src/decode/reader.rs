@@ -20,21 +20,21 @@ pub(crate) enum Int {
 impl Int {
     /// The 64-bit two's-complement pattern (SMG int64 rule for ints).
     #[inline]
-    pub(super) fn bits(self) -> u64 {
+    pub(crate) fn bits(self) -> u64 {
         match self {
             Int::U(v) => v,
             Int::I(v) => v as u64,
         }
     }
     #[inline]
-    pub(super) fn as_u64(self) -> Option<u64> {
+    pub(crate) fn as_u64(self) -> Option<u64> {
         match self {
             Int::U(v) => Some(v),
             Int::I(v) => u64::try_from(v).ok(),
         }
     }
     #[inline]
-    pub(super) fn as_i64(self) -> Option<i64> {
+    pub(crate) fn as_i64(self) -> Option<i64> {
         match self {
             Int::U(v) => i64::try_from(v).ok(),
             Int::I(v) => Some(v),
@@ -45,17 +45,17 @@ impl Int {
 /// A cursor over the payload.
 #[derive(Clone, Copy)]
 pub(crate) struct Cur<'a> {
-    pub buf: &'a [u8],
-    pub pos: usize,
+    pub(crate) buf: &'a [u8],
+    pub(crate) pos: usize,
 }
 
 impl<'a> Cur<'a> {
     #[inline]
-    pub(super) fn new(buf: &'a [u8], pos: usize) -> Self {
+    pub(crate) fn new(buf: &'a [u8], pos: usize) -> Self {
         Self { buf, pos }
     }
     #[inline]
-    pub(super) fn left(&self) -> usize {
+    pub(crate) fn left(&self) -> usize {
         self.buf.len() - self.pos
     }
     #[cold]
@@ -68,20 +68,20 @@ impl<'a> Cur<'a> {
         )
     }
     #[inline(always)]
-    pub(super) fn peek(&self) -> Result<u8, DecodeError> {
+    pub(crate) fn peek(&self) -> Result<u8, DecodeError> {
         match self.buf.get(self.pos) {
             Some(&b) => Ok(b),
             None => Err(self.trunc(1)),
         }
     }
     #[inline(always)]
-    pub(super) fn byte(&mut self) -> Result<u8, DecodeError> {
+    pub(crate) fn byte(&mut self) -> Result<u8, DecodeError> {
         let b = self.peek()?;
         self.pos += 1;
         Ok(b)
     }
     #[inline(always)]
-    pub(super) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if n > self.left() {
             return Err(self.trunc(n));
         }
@@ -122,7 +122,7 @@ impl<'a> Cur<'a> {
     }
     /// Reads a marker; returns it with its offset.
     #[inline(always)]
-    pub(super) fn marker(&mut self) -> Result<(Marker, usize), DecodeError> {
+    pub(crate) fn marker(&mut self) -> Result<(Marker, usize), DecodeError> {
         let at = self.pos;
         let b = self.byte()?;
         Ok((Marker::from_u8(b), at))
@@ -130,7 +130,7 @@ impl<'a> Cur<'a> {
 
     /// Array length for an array marker (`None` for any other marker).
     #[inline(always)]
-    pub(super) fn array_len(&mut self, m: Marker, at: usize) -> Result<Option<u32>, DecodeError> {
+    pub(crate) fn array_len(&mut self, m: Marker, at: usize) -> Result<Option<u32>, DecodeError> {
         let n = match m {
             Marker::FixArray(n) => n as u64,
             Marker::Array16 => self.u16d()?,
@@ -141,7 +141,7 @@ impl<'a> Cur<'a> {
     }
     /// Map length (pairs) for a map marker (`None` for any other marker).
     #[inline]
-    pub(super) fn map_len(&mut self, m: Marker, at: usize) -> Result<Option<u32>, DecodeError> {
+    pub(crate) fn map_len(&mut self, m: Marker, at: usize) -> Result<Option<u32>, DecodeError> {
         let n = match m {
             Marker::FixMap(n) => n as u64,
             Marker::Map16 => self.u16d()?,
@@ -153,7 +153,7 @@ impl<'a> Cur<'a> {
     }
     /// String bytes for a str marker (`None` for any other marker). Not UTF-8-checked.
     #[inline(always)]
-    pub(super) fn str_of(&mut self, m: Marker, at: usize) -> Result<Option<&'a [u8]>, DecodeError> {
+    pub(crate) fn str_of(&mut self, m: Marker, at: usize) -> Result<Option<&'a [u8]>, DecodeError> {
         let n = match m {
             Marker::FixStr(n) => n as u64,
             Marker::Str8 => self.u8d()?,
@@ -166,7 +166,7 @@ impl<'a> Cur<'a> {
     }
     /// Bin bytes for a bin marker (`None` for any other marker).
     #[inline(always)]
-    pub(super) fn bin_of(&mut self, m: Marker, at: usize) -> Result<Option<&'a [u8]>, DecodeError> {
+    pub(crate) fn bin_of(&mut self, m: Marker, at: usize) -> Result<Option<&'a [u8]>, DecodeError> {
         let n = match m {
             Marker::Bin8 => self.u8d()?,
             Marker::Bin16 => self.u16d()?,
@@ -178,7 +178,7 @@ impl<'a> Cur<'a> {
     }
     /// Integer for an int marker of any width (`None` for any other marker).
     #[inline(always)]
-    pub(super) fn int_of(&mut self, m: Marker) -> Result<Option<Int>, DecodeError> {
+    pub(crate) fn int_of(&mut self, m: Marker) -> Result<Option<Int>, DecodeError> {
         Ok(Some(match m {
             Marker::FixPos(v) => Int::U(v as u64),
             Marker::FixNeg(v) => Int::I(v as i64),
@@ -195,7 +195,7 @@ impl<'a> Cur<'a> {
     }
 
     /// Skips one value structurally (any type), bounded by [`MAX_DEPTH`].
-    pub(super) fn skip_value(&mut self) -> Result<(), DecodeError> {
+    pub(crate) fn skip_value(&mut self) -> Result<(), DecodeError> {
         let mut stack = [0u64; MAX_DEPTH];
         let mut depth = 0usize;
         let mut todo: u64 = 1;

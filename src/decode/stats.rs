@@ -8,7 +8,7 @@ pub struct DecodeStats {
     pub batches: u64,
     /// Payloads that planned successfully.
     pub batches_ok: u64,
-    /// Map-shaped batches (the counted fallback of engine-wire.md §3).
+    /// Map-shaped batches (the counted fallback of docs/engine-wire.md §3).
     pub map_batches: u64,
     /// Batches with an empty event list.
     pub empty_batches: u64,
