@@ -58,6 +58,8 @@
 //! * `ekeys.rs` — the shapes of `extra_keys` entries, walked by both passes.
 //! * `reader.rs` — the bounds-checked msgpack reader; `error.rs`, `stats.rs` — [`DecodeError`],
 //!   [`DecodeStats`].
+//! * `source.rs` — the hand-off to the ring: a planned batch ([`Decoder::planned`]) and a
+//!   synthesized clear ([`ClearedBatch`]) as [`crate::ring::RecordSource`]s.
 //!
 //! # Accepted layouts (docs/engine-wire.md §3–§6)
 //!
@@ -158,10 +160,10 @@ mod scratch;
 mod source;
 mod stats;
 
+pub use crate::ring::RecordHeader;
 pub use encode::encode_cleared;
 pub use error::{DecodeError, DecodeErrorKind};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
-pub use crate::ring::RecordHeader;
 pub use source::{ClearedBatch, PlannedBatch};
 pub use stats::DecodeStats;
 
