@@ -77,7 +77,8 @@ impl Decoder {
             self.measure_extra(buf, eoff as usize, ev.blk_start as usize, n as usize);
         }
         ev.fixed_len = stored_fixed_len(&ev) as u32;
-        self.pack(ev, hmark);
+        self.evs.push(ev);
+        self.pack(hmark);
     }
 
     /// Pushes one [`BlockInfo`] per block of the store `ev` (`extra_keys` not yet counted),
@@ -179,7 +180,8 @@ impl Decoder {
             ..Ev::EMPTY
         };
         ev.fixed_len = removed_fixed_len(&ev) as u32;
-        self.pack(ev, hmark);
+        self.evs.push(ev);
+        self.pack(hmark);
     }
 
     /// A parsed `AllBlocksCleared`: validated, filtered (ownership only), packed.
@@ -202,7 +204,8 @@ impl Decoder {
             ..Ev::EMPTY
         };
         ev.fixed_len = cleared_len(&ev) as u32;
-        self.pack(ev, hmark);
+        self.evs.push(ev);
+        self.pack(hmark);
     }
 
     /// Tier and locality of a store or removal, or `None` when the profile drops it (counted).

@@ -10,39 +10,39 @@ use super::scratch::{Ev, EvKind, Part, Rec};
 use super::Decoder;
 
 impl Decoder {
-    /// Adds a kept event (its blocks already measured, its hashes at `hmark..`) as one part or,
-    /// split, several. Drops (and counts) an event whose smallest part cannot fit into an empty
-    /// record.
-    pub(crate) fn pack(&mut self, ev: Ev, hmark: usize) {
+    /// Adds the last kept event (`evs.last()`, its blocks already measured, its hashes at
+    /// `hmark..`) as one part or, split, several. Drops (and counts) an event whose smallest
+    /// part cannot fit into an empty record.
+    pub(crate) fn pack(&mut self, hmark: usize) {
+        let ei = self.evs.len() - 1;
+        let ev = &self.evs[ei];
+        let (kind, n, blk_start) = (ev.kind, ev.n, ev.blk_start);
+        let (whole, unit_max) = self.event_sizes(ev);
         let thr = self.cfg.split_threshold;
         let room = thr.saturating_sub(REC_OVERHEAD_MAX);
-        let (whole, unit_max) = self.event_sizes(&ev);
         let eb = entry_bound(whole);
         let fits_open = self.open && self.used + eb <= thr;
         if fits_open || eb <= room {
             if !fits_open {
                 self.open = false;
             }
-            let ei = self.evs.len() as u32;
-            self.evs.push(ev);
-            self.push_part(ei, 0, ev.n, whole, eb);
+            self.push_part(ei as u32, 0, n, whole, eb);
             return;
         }
         if entry_bound(unit_max) > room {
             self.stats.oversized_events += 1;
-            if ev.kind == EvKind::Stored {
-                self.blocks.truncate(ev.blk_start as usize);
+            if kind == EvKind::Stored {
+                self.blocks.truncate(blk_start as usize);
             }
-            if ev.kind == EvKind::Removed {
+            if kind == EvKind::Removed {
                 self.lost_removals += 1;
             }
             self.hashes.truncate(hmark);
+            self.evs.pop();
             return;
         }
         self.stats.split_events += 1;
-        let ei = self.evs.len() as u32;
-        self.evs.push(ev);
-        self.split(&ev, ei);
+        self.split(ei as u32, n);
     }
 
     /// The `data` body size of the whole event, and of its largest one-block (one-hash) part.
@@ -69,16 +69,16 @@ impl Decoder {
         }
     }
 
-    /// Emits `evs[ei]` (= `ev`) in parts at block / hash boundaries, each as large as what is
-    /// left of the open record allows (a fresh record when nothing fits).
-    fn split(&mut self, ev: &Ev, ei: u32) {
+    /// Emits `evs[ei]` (of `n` blocks / hashes) in parts at block / hash boundaries, each as
+    /// large as what is left of the open record allows (a fresh record when nothing fits).
+    fn split(&mut self, ei: u32, n: u32) {
         let thr = self.cfg.split_threshold;
         let mut lo = 0u32;
-        while lo < ev.n {
+        while lo < n {
             if !self.open {
                 self.open_record();
             }
-            let (hi, d) = self.fit(ev, lo, thr - self.used);
+            let (hi, d) = self.fit(&self.evs[ei as usize], lo, thr - self.used);
             if hi == lo {
                 // nothing fits in what is left of this record: start a fresh one
                 self.open = false;
@@ -86,7 +86,7 @@ impl Decoder {
             }
             self.push_part(ei, lo, hi, d, entry_bound(d));
             lo = hi;
-            if lo < ev.n {
+            if lo < n {
                 self.open = false;
             }
         }
