@@ -3,7 +3,7 @@
 use crate::error::ShmError;
 use crate::layout::*;
 use crate::map::{geometry_for, parse_header, Base, Geometry};
-use crate::protocol::{RecordMeta, Ring, Slot, WriterCursor};
+use crate::protocol::{record_crc, RecordMeta, Ring, Slot, WriterCursor};
 use crate::sys;
 use memmap2::MmapMut;
 use std::fs::{File, OpenOptions};
@@ -299,10 +299,11 @@ impl Reservation<'_> {
         unsafe { std::slice::from_raw_parts_mut(self.w.map.as_mut_ptr().add(off), self.slot.len) }
     }
 
-    /// Publish the record with its metadata and wake sleeping readers.
-    pub fn commit(self, meta: RecordMeta) {
+    /// Publish the record with its metadata and checksum, and wake sleeping readers.
+    pub fn commit(mut self, meta: RecordMeta) {
+        let crc = record_crc(self.slot.seq, self.slot.len, &meta, self.buf());
         let mut cur = self.w.cur;
-        self.w.ring().commit(&mut cur, self.slot, meta);
+        self.w.ring().commit(&mut cur, self.slot, meta, crc);
         self.w.cur = cur;
         self.w.heartbeat();
         self.w.wake_readers();

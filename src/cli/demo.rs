@@ -210,7 +210,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
                             lane.record(crate::clock::unix_nanos().saturating_sub(ingest) / 1000);
                         }
                     }
-                    ReadOutcome::Lapped { .. } => {
+                    ReadOutcome::Lapped { .. } | ReadOutcome::Corrupt { .. } => {
                         lane.losses.fetch_add(1, Ordering::Relaxed);
                     }
                     _ => {}
