@@ -1049,3 +1049,86 @@ async fn a_corrupt_record_in_the_ring_is_data_loss_not_served() {
     assert_eq!(seqs, (1..=9).chain(11..=12).collect::<Vec<_>>());
     assert!(bridge.stop().success());
 }
+
+/// A ring file found damaged at start-up (here: truncated) is replaced, with a WARN naming
+/// what was wrong.
+#[test]
+fn a_damaged_ring_at_start_up_is_replaced_with_a_warning_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    {
+        let opts = kvbridge_shm::WriterOptions {
+            capacity: 1 << 20,
+            seq_base: Some(1),
+            group_read: false,
+        };
+        let mut w = kvbridge_shm::RingWriter::open(&ring, &opts).unwrap();
+        w.append(b"x", kvbridge_shm::RecordMeta::default()).unwrap();
+    }
+    let full = std::fs::metadata(&ring).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ring)
+        .unwrap()
+        .set_len(full / 2)
+        .unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--ring-size"), s("1MiB")]);
+    let bridge = Bridge::start(dir.path(), &ring, &args);
+    assert_eq!(
+        std::fs::metadata(&ring).unwrap().len(),
+        full,
+        "a new, whole ring"
+    );
+    let log = bridge.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains(&format!("truncated: {} bytes", full / 2))),
+        "{log}"
+    );
+    assert!(bridge.stop().success());
+}
+
+/// A ring file truncated under a running bridge is noticed at the next heartbeat: an ERROR names
+/// it and the bridge shuts down with exit code 1 instead of dying of SIGBUS.
+#[test]
+fn a_ring_truncated_under_the_bridge_stops_it_cleanly() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--ring-size"), s("1MiB")]);
+    let mut bridge = Bridge::start(dir.path(), &ring, &args);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ring)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let deadline = std::time::Instant::now() + T;
+    let status = loop {
+        if let Some(st) = bridge.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "bridge still running:\n{}",
+            bridge.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = bridge.log();
+    assert_eq!(
+        status.signal(),
+        None,
+        "killed by a signal: {status:?}\n{log}"
+    );
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("truncated to 0 bytes")),
+        "{log}"
+    );
+}

@@ -83,7 +83,9 @@
 //! * `tests/integrity.rs` — bytes of a committed record flipped in the file:
 //!   `Corrupt` (not `Lapped`) and the next record still readable; the
 //!   checksum is the one `LAYOUT.md` specifies; the writer laps past a
-//!   damaged header with a sane window.
+//!   damaged header with a sane window; a file replaced at open says why
+//!   ([`Replaced`]); a file truncated under the writer is found by
+//!   [`RingWriter::check`] and nothing touches the mapping afterwards.
 //! * `benches/append.rs` (criterion, vs memcpy) and `benches/latency.rs`
 //!   (cross-process, HdrHistogram, busy-poll and futex readers).
 
@@ -121,4 +123,4 @@ pub use error::{SeekError, ShmError};
 #[cfg(not(loom))]
 pub use reader::{ReadOutcome, RecordView, RingReader};
 #[cfg(not(loom))]
-pub use writer::{wake_path, Reservation, RingWriter, WriterOptions};
+pub use writer::{wake_path, Replaced, Reservation, RingWriter, WriterOptions};

@@ -143,3 +143,121 @@ fn stored_checksum_matches_the_spec() {
         assert_eq!(reserved, 0);
     }
 }
+
+fn set_len(path: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+/// A ring with records 1..=5, its writer closed.
+fn closed_ring(d: &tempfile::TempDir) -> std::path::PathBuf {
+    let p = ring_path(d);
+    let mut w = RingWriter::open(&p, &opts(1)).unwrap();
+    for _ in 0..5 {
+        write(&mut w, 100);
+    }
+    p
+}
+
+/// A file at the path that cannot be adopted is replaced, and the writer says why: damage
+/// (truncation, not a ring, broken records) apart from a configuration or release change.
+#[test]
+fn replacement_at_start_up_names_the_reason() {
+    let reopen = |p: &Path, cap: usize| {
+        let w = RingWriter::open(
+            p,
+            &WriterOptions {
+                capacity: cap,
+                ..opts(1)
+            },
+        )
+        .unwrap();
+        assert!(!w.adopted());
+        w.replaced().cloned().expect("a replaced file has a reason")
+    };
+    let damaged = |r: Replaced, want: &str| {
+        assert!(r.is_damage(), "{r:?}");
+        assert!(r.to_string().contains(want), "{r} should say {want:?}");
+    };
+    // Adopted, or nothing there: no reason.
+    let d = tmpdir();
+    let p = ring_path(&d);
+    assert_eq!(RingWriter::open(&p, &opts(1)).unwrap().replaced(), None);
+    let w = RingWriter::open(&p, &opts(1)).unwrap();
+    assert!(w.adopted());
+    assert_eq!(w.replaced(), None);
+    drop(w);
+
+    let d = tmpdir();
+    let p = closed_ring(&d);
+    let full = std::fs::metadata(&p).unwrap().len();
+    set_len(&p, full / 2);
+    damaged(
+        reopen(&p, 64 * 1024),
+        &format!("truncated: {} bytes", full / 2),
+    );
+
+    let d = tmpdir();
+    let p = closed_ring(&d);
+    set_len(&p, 100);
+    damaged(reopen(&p, 64 * 1024), "truncated: 100 bytes");
+
+    let d = tmpdir();
+    let p = ring_path(&d);
+    std::fs::write(&p, vec![0x41u8; 8192]).unwrap();
+    damaged(reopen(&p, 64 * 1024), "not a kvbridge ring");
+
+    let d = tmpdir();
+    let p = closed_ring(&d);
+    flip(&p, record_offset(&p, 3) + 7);
+    damaged(reopen(&p, 64 * 1024), "records do not validate");
+
+    let d = tmpdir();
+    let p = closed_ring(&d);
+    let r = reopen(&p, 128 * 1024);
+    assert_eq!(
+        r,
+        Replaced::Capacity {
+            found: 64 * 1024,
+            requested: 128 * 1024
+        }
+    );
+    assert!(!r.is_damage());
+
+    let d = tmpdir();
+    let p = closed_ring(&d);
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&1u32.to_le_bytes(), OFF_VERSION as u64)
+        .unwrap();
+    let r = reopen(&p, 64 * 1024);
+    assert_eq!(r, Replaced::Version { found: 1 });
+    assert!(!r.is_damage());
+}
+
+/// A ring file truncated under a live writer is found by `check` (an fstat, no access to the
+/// mapping), after which the writer refuses to write and closes without touching the mapping.
+#[test]
+fn truncation_under_the_writer_is_detected_by_check() {
+    let d = tmpdir();
+    let p = ring_path(&d);
+    let mut w = RingWriter::open(&p, &opts(1)).unwrap();
+    write(&mut w, 100);
+    w.check().unwrap();
+    w.heartbeat().unwrap();
+    let full = std::fs::metadata(&p).unwrap().len();
+    // Half the file: the header page stays, the data pages are gone (writing there is SIGBUS).
+    set_len(&p, full / 2);
+    match w.check() {
+        Err(ShmError::Truncated { len, need, .. }) => assert_eq!((len, need), (full / 2, full)),
+        other => panic!("{other:?}"),
+    }
+    let e = w.reserve(10).expect_err("no write after truncation");
+    assert!(matches!(e, ShmError::Truncated { .. }), "{e:?}");
+    assert!(e.to_string().contains("truncated"), "{e}");
+    assert!(matches!(w.heartbeat(), Err(ShmError::Truncated { .. })));
+    drop(w);
+}

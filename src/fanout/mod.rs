@@ -314,6 +314,12 @@ impl Subscription {
                     "kvbridge is shutting down; resubscribe with the same cursor",
                 ));
             }
+            if let Some(why) = self.hub.failure() {
+                return Err(Status::unavailable(format!(
+                    "ring {} is unusable ({why}); kvbridge is stopping",
+                    self.hub.label()
+                )));
+            }
             // Overwritten in the ring: whatever a cache still holds, the subscriber fell behind
             // the retained window, and resuming past the hole would be a silent skip.
             let oldest = self.hub.oldest();

@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvbridge_shm::{ReadOutcome, RecordMeta, RingReader, RingWriter, ShmError, WriterOptions};
+use kvbridge_shm::{
+    ReadOutcome, RecordMeta, Replaced, RingReader, RingWriter, ShmError, WriterOptions,
+};
 use parking_lot::{Mutex, RwLock};
 use prost::Message;
 use thiserror::Error;
@@ -74,6 +76,9 @@ pub struct RingHub {
     cache_max_bytes: usize,
     notify: tokio::sync::Notify,
     metrics: RingMetrics,
+    /// Set when the ring file can no longer be used (truncated under the writer): nothing may
+    /// touch its mapping any more.
+    failure: std::sync::OnceLock<String>,
 }
 
 /// What one source became.
@@ -96,6 +101,8 @@ pub struct Recovered {
     pub adopted: bool,
     /// Records of an adopted ring that failed their checksum (skipped; never served).
     pub corrupt_records: u64,
+    /// Why a file found at the path was replaced by a new ring instead of adopted.
+    pub replaced: Option<Replaced>,
 }
 
 impl RingHub {
@@ -116,8 +123,18 @@ impl RingHub {
         let adopted = writer.adopted();
         let mut recovered = Recovered {
             adopted,
+            replaced: writer.replaced().cloned(),
             ..Default::default()
         };
+        match &recovered.replaced {
+            Some(why) if why.is_damage() => tracing::warn!(ring = label, path = %path.display(),
+                reason = %why,
+                "the ring file found at start-up was unusable and has been replaced by a new ring \
+                 (its retained history is lost: subscribers resume from 0): {why}"),
+            Some(why) => tracing::info!(ring = label, path = %path.display(), reason = %why,
+                "the ring file found at start-up was replaced by a new ring: {why}"),
+            None => {}
+        }
         let (next_event_id, corrupt_floor) = if adopted {
             recover(&reader, &mut recovered)
         } else {
@@ -146,6 +163,7 @@ impl RingHub {
             cache_max_bytes,
             notify: tokio::sync::Notify::new(),
             metrics: RingMetrics::new(metrics, label, capacity as u64, label == "merged"),
+            failure: std::sync::OnceLock::new(),
         });
         Ok((hub, recovered))
     }
@@ -201,9 +219,24 @@ impl RingHub {
         Ok(out)
     }
 
-    /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale).
-    fn heartbeat(&self) {
-        self.writer.lock().writer.heartbeat();
+    /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale), after
+    /// checking that the ring file is still whole. An error means the ring is unusable: the hub
+    /// is marked failed (see [`failure`](Self::failure)) and every waiter is woken.
+    pub fn heartbeat(&self) -> Result<(), ShmError> {
+        if self.failure.get().is_some() {
+            return Ok(());
+        }
+        let r = self.writer.lock().writer.heartbeat();
+        if let Err(e) = &r {
+            let _ = self.failure.set(e.to_string());
+            self.wake_all();
+        }
+        r
+    }
+
+    /// Why this ring can no longer be used (written or read), if it cannot.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
     }
 
     /// Oldest, newest, bytes retained and capacity, in one consistent view.
