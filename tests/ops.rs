@@ -915,3 +915,220 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KVBRIDGE_AUTH_TOKEN"));
 }
+
+/// File offset of record `seq` in a ring file, found through its index (as a reader finds it).
+fn ring_record_offset(ring: &std::path::Path, seq: u64) -> u64 {
+    use kvbridge_shm::layout::*;
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(ring).unwrap();
+    let u64_at = |off: u64| {
+        let mut b = [0u8; 8];
+        f.read_exact_at(&mut b, off).unwrap();
+        u64::from_le_bytes(b)
+    };
+    let slots = u64_at(OFF_INDEX_SLOTS as u64);
+    let cap = u64_at(OFF_CAPACITY as u64);
+    let pos = u64_at(u64_at(OFF_INDEX_OFFSET as u64) + 8 * (seq & (slots - 1)));
+    u64_at(OFF_DATA_OFFSET as u64) + (pos & (cap - 1))
+}
+
+/// A record damaged in the ring file (not through the writer) is never served: the subscriber
+/// that reaches it ends with DATA_LOSS naming corruption, the metric counts it, a fresh
+/// subscriber starts after it, and `kvbridge tail` reports it as corrupt, not as a lap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_record_in_the_ring_is_data_loss_not_served() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--ring-size"), s("1MiB")]);
+    let ring = dir.path().join("ring");
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &ring, &args);
+    settle();
+    // 100 batches of ~6.6 KB: all retained by the 1 MiB ring, but record 10 is long gone from
+    // the recent cache (a quarter of the ring), so a resume at 5 reads it from the ring.
+    publish_stores(&e, 1, 100, 100);
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_ring_newest_seq", &[("ring", "merged")]) == 100.0
+    });
+    let payload_byte =
+        ring_record_offset(&ring, 10) + kvbridge_shm::layout::RECORD_HEADER_LEN as u64 + 20;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&ring)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, payload_byte).unwrap();
+    f.write_all_at(&[b[0] ^ 0x10], payload_byte).unwrap();
+
+    let mut sub = subscribe(&bridge.url(), 5).await.unwrap();
+    let mut next = 6;
+    let status = loop {
+        match tokio::time::timeout(T, sub.message())
+            .await
+            .expect("stream must end")
+        {
+            Ok(Some(batch)) => {
+                assert_eq!(
+                    batch.sequence_number, next,
+                    "delivered in order, up to the damage"
+                );
+                next += 1;
+            }
+            Ok(None) => panic!("ended without a status"),
+            Err(st) => break st,
+        }
+    };
+    assert_eq!(next, 10, "batches 6..=9 delivered, 10 not");
+    assert_eq!(status.code(), tonic::Code::DataLoss, "{status:?}");
+    assert!(
+        status.message().contains("corrupt record"),
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains("batch 10"),
+        "{}",
+        status.message()
+    );
+    let page = scrape(maddr);
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_ring_corrupt_records_total",
+            &[("ring", "merged")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_ring_reader_laps_total",
+            &[("ring", "merged")]
+        ),
+        0.0
+    );
+    // A gateway resubscribes from 0: it starts after the damaged record instead of hitting it
+    // again; a resume from before it is out of range.
+    let mut fresh = subscribe(&bridge.url(), 0).await.unwrap();
+    let got = collect_until(&mut fresh, T, |b| !b.is_empty()).await;
+    assert_eq!(got[0].sequence_number, 11);
+    let err = subscribe(&bridge.url(), 3)
+        .await
+        .expect_err("before the damage");
+    assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
+
+    // `kvbridge tail` from another process: 1..=9, "corrupt record 10", 11, 12.
+    let out = std::process::Command::new(bin())
+        .args([
+            "tail",
+            "--shm",
+            &ring.display().to_string(),
+            "--count",
+            "11",
+            "--meta",
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("corrupt record 10"), "{stderr}");
+    assert!(!stderr.contains("lapped"), "{stderr}");
+    let seqs: Vec<u64> = stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, (1..=9).chain(11..=12).collect::<Vec<_>>());
+    assert!(bridge.stop().success());
+}
+
+/// A ring file found damaged at start-up (here: truncated) is replaced, with a WARN naming
+/// what was wrong.
+#[test]
+fn a_damaged_ring_at_start_up_is_replaced_with_a_warning_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    {
+        let opts = kvbridge_shm::WriterOptions {
+            capacity: 1 << 20,
+            seq_base: Some(1),
+            group_read: false,
+        };
+        let mut w = kvbridge_shm::RingWriter::open(&ring, &opts).unwrap();
+        w.append(b"x", kvbridge_shm::RecordMeta::default()).unwrap();
+    }
+    let full = std::fs::metadata(&ring).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ring)
+        .unwrap()
+        .set_len(full / 2)
+        .unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--ring-size"), s("1MiB")]);
+    let bridge = Bridge::start(dir.path(), &ring, &args);
+    assert_eq!(
+        std::fs::metadata(&ring).unwrap().len(),
+        full,
+        "a new, whole ring"
+    );
+    let log = bridge.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains(&format!("truncated: {} bytes", full / 2))),
+        "{log}"
+    );
+    assert!(bridge.stop().success());
+}
+
+/// A ring file truncated under a running bridge is noticed at the next heartbeat: an ERROR names
+/// it and the bridge shuts down with exit code 1 instead of dying of SIGBUS.
+#[test]
+fn a_ring_truncated_under_the_bridge_stops_it_cleanly() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--ring-size"), s("1MiB")]);
+    let mut bridge = Bridge::start(dir.path(), &ring, &args);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ring)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let deadline = std::time::Instant::now() + T;
+    let status = loop {
+        if let Some(st) = bridge.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "bridge still running:\n{}",
+            bridge.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = bridge.log();
+    assert_eq!(
+        status.signal(),
+        None,
+        "killed by a signal: {status:?}\n{log}"
+    );
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("truncated to 0 bytes")),
+        "{log}"
+    );
+}

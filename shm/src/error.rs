@@ -69,6 +69,17 @@ pub enum ShmError {
         /// The other writer's pid, as recorded in the header.
         pid: u32,
     },
+    /// The ring file shrank while this writer had it mapped (someone truncated it). The writer
+    /// has stopped touching the mapping: touching a page past the new end would be `SIGBUS`.
+    #[error("ring file {path} was truncated to {len} bytes under its writer (the layout needs {need}); writing stopped")]
+    Truncated {
+        /// Ring file.
+        path: PathBuf,
+        /// Its length now.
+        len: u64,
+        /// The length its layout needs.
+        need: u64,
+    },
     /// A record larger than a quarter of the ring.
     #[error("record of {len} bytes exceeds the ring's maximum of {max}")]
     RecordTooLarge {

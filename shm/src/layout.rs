@@ -4,7 +4,7 @@
 /// `b"KVBRSHM1"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVBRSHM1");
 /// Bumped on any incompatible change of this file's layout or protocol.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Size of the header block; the index starts right after it.
 pub const HEADER_LEN: u64 = 4096;
 
@@ -61,8 +61,29 @@ pub const STATE_RETIRED: u32 = 1;
 
 // --- records -----------------------------------------------------------------
 /// Record header: seq u64 | len u32, kind u32 | upstream_seq u64 |
-/// dp_rank u32, flags u32 | ingest_ns u64.
-pub const RECORD_HEADER_LEN: usize = 40;
+/// dp_rank u32, flags u32 | ingest_ns u64 | crc u32, reserved u32.
+pub const RECORD_HEADER_LEN: usize = 48;
+/// u64 in a record: its sequence number (0 in padding).
+pub const REC_OFF_SEQ: usize = 0;
+/// u32 in a record: payload length.
+pub const REC_OFF_LEN: usize = 8;
+/// u32 in a record: [`KIND_RECORD`] or [`KIND_PAD`].
+pub const REC_OFF_KIND: usize = 12;
+/// u64 in a record: the engine's sequence number.
+pub const REC_OFF_UPSTREAM_SEQ: usize = 16;
+/// u32 in a record: DP rank.
+pub const REC_OFF_DP_RANK: usize = 24;
+/// u32 in a record: caller-defined flags.
+pub const REC_OFF_FLAGS: usize = 28;
+/// u64 in a record: ingest time (Unix ns).
+pub const REC_OFF_INGEST_NS: usize = 32;
+/// u32 in a record: CRC32C of the record's first [`RECORD_CRC_HEADER_LEN`] bytes followed by
+/// its payload (see `record_crc`). Written at commit; checked by readers.
+pub const REC_OFF_CRC: usize = 40;
+/// u32 in a record: reserved, written 0, not covered by the checksum.
+pub const REC_OFF_RESERVED: usize = 44;
+/// Header bytes covered by the record checksum: every field before [`REC_OFF_CRC`].
+pub const RECORD_CRC_HEADER_LEN: usize = 40;
 /// Records start at multiples of this.
 pub const RECORD_ALIGN: usize = 8;
 /// Record kind: a payload record.

@@ -30,6 +30,13 @@
 //!   mapping. Its header was validated against the overwrite horizon; the
 //!   payload is re-validated by [`RecordView::is_intact`] after the consumer
 //!   used it (seqlock / Aeron style).
+//! * **A damaged record is reported, never served.** Every record carries a
+//!   CRC32C of its header fields and payload, written at commit. A reader
+//!   checks it *after* the intactness check, so bytes the writer overwrote
+//!   mid-read are a lap, while bytes changed behind the writer's back (a
+//!   stray write to the file, a bit flip) are [`ReadOutcome::Corrupt`]; the
+//!   reader skips the record. The checksum detects accidents, not a party
+//!   that can write the file and recompute it.
 //! * **Numbers that survive restarts.** A restarted writer adopts the ring
 //!   and continues at N + 1; a ring that must be re-created starts above any
 //!   number an old client could hold (H + 2, or Unix µs), so an old cursor is
@@ -64,7 +71,8 @@
 //!
 //! * `tests/loom.rs` — loom model of publish / read / lap on a 128-byte ring
 //!   (writer + 1 or 2 readers): no torn read, every lap reported and never
-//!   spurious, monotonic sequence numbers. Removing either the writer's
+//!   spurious, monotonic sequence numbers, and an uncorrupted ring never
+//!   reported corrupt (a checksum over half-overwritten bytes is a lap). Removing either the writer's
 //!   Release fence or the reader's Acquire fence makes it fail.
 //!   `RUSTFLAGS="--cfg loom" cargo test -p kvbridge-shm --release --test loom`
 //! * `tests/multiprocess.rs` — a writer process and three reader processes
@@ -72,6 +80,12 @@
 //!   SIGKILLed mid-stream and restarted (adopts, continues at N + 1).
 //! * `tests/boundary.rs`, `tests/props.rs` — wrap / padding edges, the
 //!   largest record, adoption, re-creation, seek, modes, errors.
+//! * `tests/integrity.rs` — bytes of a committed record flipped in the file:
+//!   `Corrupt` (not `Lapped`) and the next record still readable; the
+//!   checksum is the one `LAYOUT.md` specifies; the writer laps past a
+//!   damaged header with a sane window; a file replaced at open says why
+//!   ([`Replaced`]); a file truncated under the writer is found by
+//!   [`RingWriter::check`] and nothing touches the mapping afterwards.
 //! * `benches/append.rs` (criterion, vs memcpy) and `benches/latency.rs`
 //!   (cross-process, HdrHistogram, busy-poll and futex readers).
 
@@ -102,11 +116,11 @@ mod sys;
 #[cfg(not(loom))]
 mod writer;
 
-pub use protocol::RecordMeta;
+pub use protocol::{record_crc, RecordMeta};
 
 #[cfg(not(loom))]
 pub use error::{SeekError, ShmError};
 #[cfg(not(loom))]
 pub use reader::{ReadOutcome, RecordView, RingReader};
 #[cfg(not(loom))]
-pub use writer::{wake_path, Reservation, RingWriter, WriterOptions};
+pub use writer::{wake_path, Replaced, Reservation, RingWriter, WriterOptions};

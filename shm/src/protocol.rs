@@ -81,17 +81,40 @@ pub struct RecordMeta {
 /// Result of one read attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Read {
-    /// The record `want`, validated at the time of the call.
+    /// The record `want`, its header validated at the time of the call. The
+    /// payload is not checked yet: checksum it, then call [`Ring::verify`].
     Record {
         pos: u64,
         len: usize,
         meta: RecordMeta,
+        /// The checksum stored in the record header.
+        crc: u32,
     },
     /// `want` has not been published yet.
     Empty,
     /// `want` is gone; `resume_at` (> want) is the oldest record that was
     /// still retained when the lap was detected.
     Lapped { resume_at: u64 },
+    /// `want` is still retained (the writer has not retired it) but its bytes
+    /// do not validate: something other than the writer changed the file.
+    /// `resume_at` = want + 1.
+    Corrupt { resume_at: u64 },
+}
+
+/// The record checksum: CRC32C (Castagnoli, as in iSCSI / ext4) over the
+/// record's first [`RECORD_CRC_HEADER_LEN`] bytes as stored (seq, len, kind,
+/// upstream_seq, dp_rank, flags, ingest_ns, little-endian), then its payload.
+pub fn record_crc(seq: u64, len: usize, meta: &RecordMeta, payload: &[u8]) -> u32 {
+    let mut h = [0u8; RECORD_CRC_HEADER_LEN];
+    h[REC_OFF_SEQ..REC_OFF_SEQ + 8].copy_from_slice(&seq.to_le_bytes());
+    h[REC_OFF_LEN..REC_OFF_LEN + 4].copy_from_slice(&(len as u32).to_le_bytes());
+    h[REC_OFF_KIND..REC_OFF_KIND + 4].copy_from_slice(&KIND_RECORD.to_le_bytes());
+    h[REC_OFF_UPSTREAM_SEQ..REC_OFF_UPSTREAM_SEQ + 8]
+        .copy_from_slice(&meta.upstream_seq.to_le_bytes());
+    h[REC_OFF_DP_RANK..REC_OFF_DP_RANK + 4].copy_from_slice(&meta.dp_rank.to_le_bytes());
+    h[REC_OFF_FLAGS..REC_OFF_FLAGS + 4].copy_from_slice(&meta.flags.to_le_bytes());
+    h[REC_OFF_INGEST_NS..REC_OFF_INGEST_NS + 8].copy_from_slice(&meta.ingest_ns.to_le_bytes());
+    crc32c::crc32c_append(crc32c::crc32c(&h), payload)
 }
 
 impl std::fmt::Debug for Ring<'_> {
@@ -143,7 +166,10 @@ impl<'a> Ring<'a> {
         while cur.head + self.cap < end {
             let h = cur.head;
             if h >= cur.tail {
+                // Only reachable after a corrupted header (see below): everything
+                // committed so far is retired.
                 cur.head = start;
+                cur.oldest = cur.oldest.max(cur.next_seq);
                 break;
             }
             let hoff = h & self.mask();
@@ -153,13 +179,32 @@ impl<'a> Ring<'a> {
                 continue;
             }
             let w1 = self.word(h + 8).load(Relaxed);
-            let (hlen, kind) = (w1 as u32, (w1 >> 32) as u32);
+            let (hlen, kind) = (w1 as u32 as usize, (w1 >> 32) as u32);
             if kind == KIND_PAD {
                 cur.head = h + hroom;
                 continue;
             }
             let seq = self.word(h).load(Relaxed);
-            cur.head = h + record_size(hlen as usize);
+            let size = record_size(hlen);
+            if kind != KIND_RECORD
+                || hlen > self.max_payload
+                || hoff + size > self.cap
+                || h + size > cur.tail
+                || seq >= cur.next_seq
+            {
+                // Not a header this writer wrote: the file was modified behind
+                // its back. Resynchronise at the next wrap, where a record
+                // always starts, retiring everything before the record there.
+                cur.head = h + hroom;
+                if cur.head < cur.tail {
+                    let s = self.word(cur.head).load(Relaxed);
+                    if s < cur.next_seq {
+                        cur.oldest = cur.oldest.max(s);
+                    }
+                }
+                continue;
+            }
+            cur.head = h + size;
             cur.oldest = cur.oldest.max(seq + 1);
         }
         let seq = cur.next_seq;
@@ -188,13 +233,16 @@ impl<'a> Ring<'a> {
         }
     }
 
-    /// Writer: publish a reserved record (payload already written).
-    pub fn commit(&self, cur: &mut WriterCursor, slot: Slot, meta: RecordMeta) {
+    /// Writer: publish a reserved record (payload already written). `crc` is
+    /// [`record_crc`] of the record as committed.
+    pub fn commit(&self, cur: &mut WriterCursor, slot: Slot, meta: RecordMeta, crc: u32) {
         debug_assert_eq!(slot.seq, cur.next_seq);
         self.word(slot.start + 16).store(meta.upstream_seq, Relaxed);
         self.word(slot.start + 24)
             .store(meta.dp_rank as u64 | ((meta.flags as u64) << 32), Relaxed);
         self.word(slot.start + 32).store(meta.ingest_ns, Relaxed);
+        // crc u32 | reserved u32 (0).
+        self.word(slot.start + 40).store(crc as u64, Relaxed);
         self.index_slot(slot.seq).store(slot.start, Relaxed);
         self.tail.store(slot.end, Release);
         self.newest.store(slot.seq, Release);
@@ -216,12 +264,14 @@ impl<'a> Ring<'a> {
         let mut ok = pos < tail && tail - pos <= self.cap && pos % 8 == 0 && self.cap - off >= hdr;
         let mut len = 0usize;
         let mut meta = RecordMeta::default();
+        let mut crc = 0;
         if ok {
             let seq = self.word(pos).load(Relaxed);
             let w1 = self.word(pos + 8).load(Relaxed);
             let up = self.word(pos + 16).load(Relaxed);
             let w3 = self.word(pos + 24).load(Relaxed);
             let ts = self.word(pos + 32).load(Relaxed);
+            crc = self.word(pos + 40).load(Relaxed) as u32;
             len = (w1 as u32) as usize;
             let size = record_size(len);
             ok = seq == want
@@ -240,11 +290,50 @@ impl<'a> Ring<'a> {
         // the `oldest` store that preceded a newer index/data word visible.
         let intact = self.intact(pos);
         if ok && intact {
-            return Read::Record { pos, len, meta };
+            return Read::Record {
+                pos,
+                len,
+                meta,
+                crc,
+            };
         }
+        self.lost(want)
+    }
+
+    /// Reader: `want` (≤ newest) failed validation. Lapped if the writer has
+    /// retired it, else corrupt. The writer publishes `oldest > want` before
+    /// it reuses anything `want` occupies (data bytes, index slot) and before
+    /// the `intent` and `tail` that make a check fail, and the reader has
+    /// fenced (Acquire) after its loads, so a failure the writer caused always
+    /// comes with a visible `oldest > want`: a failure without one means the
+    /// bytes were changed by someone else. `tests/loom.rs` asserts that an
+    /// uncorrupted ring never yields `Corrupt`.
+    fn lost(&self, want: u64) -> Read {
         let oldest = self.oldest.load(Acquire);
-        Read::Lapped {
-            resume_at: oldest.max(want + 1),
+        if oldest > want {
+            Read::Lapped { resume_at: oldest }
+        } else {
+            Read::Corrupt {
+                resume_at: want + 1,
+            }
+        }
+    }
+
+    /// Reader: after checksumming the payload of a [`Read::Record`] `want` at
+    /// `pos` (`crc_ok`: [`record_crc`] matched its stored checksum). `Ok`: the
+    /// record is good. A mismatch counts as corruption only if the record is
+    /// still intact afterwards; a record the writer began overwriting while
+    /// it was being checksummed is a lap, whatever the checksum said.
+    pub fn verify(&self, want: u64, pos: u64, crc_ok: bool) -> Result<(), Read> {
+        if !self.intact(pos) {
+            return Err(self.lost(want));
+        }
+        if crc_ok {
+            Ok(())
+        } else {
+            Err(Read::Corrupt {
+                resume_at: want + 1,
+            })
         }
     }
 

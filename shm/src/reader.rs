@@ -4,7 +4,7 @@
 use crate::error::{SeekError, ShmError};
 use crate::layout::*;
 use crate::map::{parse_header, Base, Geometry};
-use crate::protocol::{Read, RecordMeta, Ring};
+use crate::protocol::{record_crc, Read, RecordMeta, Ring};
 use crate::sys;
 use crate::writer::wake_path;
 use memmap2::{Mmap, MmapMut};
@@ -80,6 +80,16 @@ impl Mapped {
         self.base().ring(&self.geo)
     }
 
+    /// Pointer to the first payload byte of a `len`-byte record at `pos`
+    /// (in bounds: asserted).
+    fn payload_ptr(&self, pos: u64, len: usize) -> *const u8 {
+        let off = self.geo.data_off as usize + self.ring().payload_offset(pos);
+        assert!(off + len <= self.map.len());
+        // SAFETY: `off + len` is within the mapping (asserted above; `Ring::read` also proved
+        // the record lies inside the data area), so the offset pointer stays in the allocation.
+        unsafe { self.map.as_ptr().add(off) }
+    }
+
     fn waiters(&self) -> Option<&AtomicU32> {
         self.wake
             .as_ref()
@@ -120,6 +130,18 @@ pub enum ReadOutcome<'a> {
     },
     /// Nothing new and the writer is dead or closed.
     WriterGone,
+    /// Record `seq` is damaged: its header is inconsistent or its checksum
+    /// does not match, although the writer has not touched it since it was
+    /// committed (an overwrite by the writer is reported as `Lapped`). Its
+    /// bytes were changed by something other than the writer: a bit flip or a
+    /// stray or malicious write to the file. The record is skipped; the
+    /// position is already moved to `resume_at` = `seq + 1`.
+    Corrupt {
+        /// The damaged record.
+        seq: u64,
+        /// The next record this reader will return.
+        resume_at: u64,
+    },
 }
 
 enum Polled {
@@ -132,6 +154,10 @@ enum Polled {
     Empty,
     Lapped {
         missed: u64,
+        resume_at: u64,
+    },
+    Corrupt {
+        seq: u64,
         resume_at: u64,
     },
 }
@@ -223,17 +249,37 @@ impl RingReader {
 
     fn poll(&self) -> Polled {
         let want = self.pos.get();
-        match self.m.ring().read(want) {
-            Read::Record { pos, len, meta } => {
-                self.pos.set(want + 1);
-                Polled::Record {
-                    seq: want,
-                    pos,
-                    len,
-                    meta,
+        let ring = self.m.ring();
+        let read = match ring.read(want) {
+            Read::Record {
+                pos,
+                len,
+                meta,
+                crc,
+            } => {
+                // SAFETY: in bounds (`payload_ptr`). These bytes may be rewritten by the writer
+                // while they are checksummed (the torn-read contract of `RecordView::payload`):
+                // the slice only feeds the checksum, and its result is used only if
+                // `Ring::verify` then finds the record intact; otherwise it is discarded and
+                // the read reported as a lap.
+                let payload =
+                    unsafe { std::slice::from_raw_parts(self.m.payload_ptr(pos, len), len) };
+                match ring.verify(want, pos, record_crc(want, len, &meta, payload) == crc) {
+                    Ok(()) => {
+                        self.pos.set(want + 1);
+                        return Polled::Record {
+                            seq: want,
+                            pos,
+                            len,
+                            meta,
+                        };
+                    }
+                    Err(r) => r,
                 }
             }
-            Read::Empty => Polled::Empty,
+            r => r,
+        };
+        match read {
             Read::Lapped { resume_at } => {
                 self.pos.set(resume_at);
                 Polled::Lapped {
@@ -241,6 +287,15 @@ impl RingReader {
                     resume_at,
                 }
             }
+            Read::Corrupt { resume_at } => {
+                self.pos.set(resume_at);
+                Polled::Corrupt {
+                    seq: want,
+                    resume_at,
+                }
+            }
+            Read::Empty => Polled::Empty,
+            Read::Record { .. } => unreachable!("Ring::verify fails only with Lapped or Corrupt"),
         }
     }
 
@@ -317,6 +372,7 @@ impl RingReader {
             }),
             Polled::Empty => ReadOutcome::Empty,
             Polled::Lapped { missed, resume_at } => ReadOutcome::Lapped { missed, resume_at },
+            Polled::Corrupt { seq, resume_at } => ReadOutcome::Corrupt { seq, resume_at },
         }
     }
 
@@ -412,9 +468,10 @@ impl RingReader {
 
 /// A zero-copy view of one record inside the shared mapping.
 ///
-/// The header fields were validated when the view was made. The payload
-/// bytes are read in place: after using them, call [`is_intact`]
-/// (or use [`copy_to`]) to learn whether the writer began overwriting them.
+/// The header fields and the record checksum (header + payload) were
+/// validated when the view was made. The payload bytes are read in place:
+/// after using them, call [`is_intact`] (or use [`copy_to`]) to learn whether
+/// the writer began overwriting them since.
 ///
 /// [`is_intact`]: RecordView::is_intact
 /// [`copy_to`]: RecordView::copy_to
@@ -447,12 +504,7 @@ impl RecordView<'_> {
     }
     /// Pointer to the payload's first byte in the mapping (in bounds: asserted).
     fn payload_ptr(&self) -> *const u8 {
-        let m = &*self.r.m;
-        let off = m.geo.data_off as usize + m.ring().payload_offset(self.pos);
-        assert!(off + self.len <= m.map.len());
-        // SAFETY: `off + len` is within the mapping (asserted above; `Ring::read` also proved
-        // the record lies inside the data area), so the offset pointer stays in the allocation.
-        unsafe { m.map.as_ptr().add(off) }
+        self.r.m.payload_ptr(self.pos, self.len)
     }
 
     /// Payload length in bytes.

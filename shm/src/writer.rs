@@ -3,7 +3,7 @@
 use crate::error::ShmError;
 use crate::layout::*;
 use crate::map::{geometry_for, parse_header, Base, Geometry};
-use crate::protocol::{RecordMeta, Ring, Slot, WriterCursor};
+use crate::protocol::{record_crc, RecordMeta, Ring, Slot, WriterCursor};
 use crate::sys;
 use memmap2::MmapMut;
 use std::fs::{File, OpenOptions};
@@ -42,15 +42,69 @@ pub fn wake_path(path: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Why [`RingWriter::open`] replaced the file it found at the path instead of
+/// adopting it (see [`RingWriter::replaced`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replaced {
+    /// A valid ring of another capacity: the configured size changed.
+    Capacity {
+        /// Data capacity of the old file.
+        found: u64,
+        /// Data capacity requested now.
+        requested: u64,
+    },
+    /// A ring of another layout version (written by another kvbridge release).
+    Version {
+        /// Layout version of the old file.
+        found: u32,
+    },
+    /// The file was marked retired by a writer that then did not replace it
+    /// (it died between the two steps).
+    Retired,
+    /// The file is damaged: too short (truncated), not a kvbridge ring, an
+    /// inconsistent header, cursors or records that do not validate. Says which.
+    Damaged(String),
+}
+
+impl Replaced {
+    /// True when the old file was damaged (rather than from another
+    /// configuration or release): worth a warning, the retained history was
+    /// lost to damage.
+    pub fn is_damage(&self) -> bool {
+        matches!(self, Replaced::Damaged(_))
+    }
+}
+
+impl std::fmt::Display for Replaced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Replaced::Capacity { found, requested } => write!(
+                f,
+                "it has a capacity of {found} bytes, {requested} were requested"
+            ),
+            Replaced::Version { found } => write!(
+                f,
+                "it has ring layout version {found}, this build writes version {LAYOUT_VERSION}"
+            ),
+            Replaced::Retired => write!(f, "it was marked retired by an earlier writer"),
+            Replaced::Damaged(why) => write!(f, "it is damaged: {why}"),
+        }
+    }
+}
+
 /// The one writer of a ring file. Holds an exclusive `flock` on the file for
 /// its whole life; the kernel releases it when the process dies.
 pub struct RingWriter {
     path: PathBuf,
-    _file: File,
+    file: File,
     map: MmapMut,
     geo: Geometry,
     cur: WriterCursor,
     adopted: bool,
+    replaced: Option<Replaced>,
+    /// Set once the file was found truncated: from then on nothing touches
+    /// the mapping (a page past the file's end is `SIGBUS`).
+    truncated: Option<u64>,
     wake: Option<MmapMut>,
 }
 
@@ -62,6 +116,8 @@ impl std::fmt::Debug for RingWriter {
             .field("ring_id", &self.geo.ring_id)
             .field("cursor", &self.cur)
             .field("adopted", &self.adopted)
+            .field("replaced", &self.replaced)
+            .field("truncated", &self.truncated)
             .finish()
     }
 }
@@ -72,6 +128,7 @@ enum Opened {
     Recreate {
         high_water: Option<u64>,
         old: File,
+        why: Replaced,
     },
 }
 
@@ -122,7 +179,11 @@ impl RingWriter {
             }
             match try_adopt(path, file, cap, mode)? {
                 Opened::Adopt(w) => return Ok(w),
-                Opened::Recreate { high_water, old } => {
+                Opened::Recreate {
+                    high_water,
+                    old,
+                    why,
+                } => {
                     let base = opts
                         .seq_base
                         .or(high_water.map(|h| h + 2))
@@ -132,7 +193,8 @@ impl RingWriter {
                     // locked it earlier could otherwise adopt the file we
                     // are replacing.
                     drop(old);
-                    if let Some(w) = created? {
+                    if let Some(mut w) = created? {
+                        w.replaced = Some(why);
                         return Ok(w);
                     }
                 }
@@ -159,6 +221,11 @@ impl RingWriter {
     /// True when an existing valid ring was continued.
     pub fn adopted(&self) -> bool {
         self.adopted
+    }
+    /// Why the file found at the path was replaced by this new ring, if one was
+    /// (`None`: adopted, or there was no file).
+    pub fn replaced(&self) -> Option<&Replaced> {
+        self.replaced.as_ref()
     }
     /// The sequence number the next [`reserve`](Self::reserve) gets.
     pub fn next_seq(&self) -> u64 {
@@ -194,6 +261,9 @@ impl RingWriter {
     /// Reserve space for a `len`-byte payload. The records it will overwrite
     /// are retired (stop being readable) before this returns.
     pub fn reserve(&mut self, len: usize) -> Result<Reservation<'_>, ShmError> {
+        if let Some(now) = self.truncated {
+            return Err(self.truncated_error(now));
+        }
         if len > self.geo.max_payload {
             return Err(ShmError::RecordTooLarge {
                 len,
@@ -215,8 +285,49 @@ impl RingWriter {
         Ok(seq)
     }
 
-    /// Store the current time as the writer heartbeat.
-    pub fn heartbeat(&self) {
+    /// Check that the file is still whole, then store the current time as
+    /// the writer heartbeat. Call it every ~100 ms: it is where a ring file
+    /// truncated under the writer is noticed (see [`check`](Self::check)).
+    pub fn heartbeat(&mut self) -> Result<(), ShmError> {
+        self.check()?;
+        self.beat();
+        Ok(())
+    }
+
+    /// Is the ring file still as long as its layout needs? A file truncated
+    /// under the writer (by anyone who can open it) turns every access to a
+    /// page past its new end into `SIGBUS`. `fstat` on the writer's own
+    /// descriptor finds that out without touching the mapping; from then on
+    /// this writer never touches the mapping again: [`reserve`](Self::reserve)
+    /// and this check return [`ShmError::Truncated`], and dropping it skips the
+    /// clean-close stores. (An access between the truncation and this check
+    /// cannot be protected.)
+    pub fn check(&mut self) -> Result<(), ShmError> {
+        if let Some(now) = self.truncated {
+            return Err(self.truncated_error(now));
+        }
+        let len = self
+            .file
+            .metadata()
+            .map_err(|e| ShmError::io(&self.path, e))?
+            .len();
+        if len < self.geo.file_len {
+            self.truncated = Some(len);
+            return Err(self.truncated_error(len));
+        }
+        Ok(())
+    }
+
+    fn truncated_error(&self, len: u64) -> ShmError {
+        ShmError::Truncated {
+            path: self.path.clone(),
+            len,
+            need: self.geo.file_len,
+        }
+    }
+
+    /// Store the heartbeat (every commit; no check).
+    fn beat(&self) {
         self.base()
             .u64_at(OFF_HEARTBEAT_NS)
             .store(sys::coarse_now_ns(), Ordering::Release);
@@ -253,12 +364,15 @@ impl RingWriter {
 
 impl Drop for RingWriter {
     fn drop(&mut self) {
+        if self.truncated.is_some() {
+            return; // the mapping must not be touched (SIGBUS)
+        }
         // Clean close: readers see WriterGone at once.
         self.base()
             .u32_at(OFF_WRITER_PID)
             .store(0, Ordering::Release);
         self.wake_readers();
-        // The flock goes with `_file`.
+        // The flock goes with `file`.
     }
 }
 
@@ -299,12 +413,13 @@ impl Reservation<'_> {
         unsafe { std::slice::from_raw_parts_mut(self.w.map.as_mut_ptr().add(off), self.slot.len) }
     }
 
-    /// Publish the record with its metadata and wake sleeping readers.
-    pub fn commit(self, meta: RecordMeta) {
+    /// Publish the record with its metadata and checksum, and wake sleeping readers.
+    pub fn commit(mut self, meta: RecordMeta) {
+        let crc = record_crc(self.slot.seq, self.slot.len, &meta, self.buf());
         let mut cur = self.w.cur;
-        self.w.ring().commit(&mut cur, self.slot, meta);
+        self.w.ring().commit(&mut cur, self.slot, meta, crc);
         self.w.cur = cur;
-        self.w.heartbeat();
+        self.w.beat();
         self.w.wake_readers();
     }
 }
@@ -333,6 +448,9 @@ fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, Shm
         return Ok(Opened::Recreate {
             high_water: None,
             old: file,
+            why: Replaced::Damaged(format!(
+                "truncated: {len} bytes, shorter than the {HEADER_LEN}-byte header"
+            )),
         });
     }
     let map = map_rw(path, &file)?;
@@ -348,26 +466,49 @@ fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, Shm
         }
     };
     // A retired file was already replaced; never bring it back to life.
-    let geo = match parse_header(path, base) {
-        Ok(g) if g.cap == cap && base.load32(OFF_STATE) != STATE_RETIRED => g,
-        _ => {
+    let why = match parse_header(path, base) {
+        Ok(g) if g.cap != cap => Err(Replaced::Capacity {
+            found: g.cap,
+            requested: cap,
+        }),
+        Ok(_) if base.load32(OFF_STATE) == STATE_RETIRED => Err(Replaced::Retired),
+        Ok(g) => Ok(g),
+        Err(e) => Err(match e {
+            ShmError::BadVersion { found, .. } => Replaced::Version { found },
+            ShmError::BadMagic { found, .. } => {
+                Replaced::Damaged(format!("not a kvbridge ring (first 8 bytes {found:#018x})"))
+            }
+            ShmError::TooSmall { len, need, .. } => {
+                Replaced::Damaged(format!("truncated: {len} bytes, its header needs {need}"))
+            }
+            ShmError::Corrupt { reason, .. } => {
+                Replaced::Damaged(format!("inconsistent header: {reason}"))
+            }
+            other => Replaced::Damaged(other.to_string()),
+        }),
+    };
+    let geo = match why {
+        Ok(g) => g,
+        Err(why) => {
             let hw = high_water(base);
             retire(base);
             return Ok(Opened::Recreate {
                 high_water: hw,
                 old: file,
+                why,
             });
         }
     };
     let ring = base.ring(&geo);
     let cur = match walk(&ring, &geo) {
         Ok(c) => c,
-        Err(_why) => {
+        Err(why) => {
             let hw = high_water(base);
             retire(base);
             return Ok(Opened::Recreate {
                 high_water: hw,
                 old: file,
+                why: Replaced::Damaged(format!("records do not validate: {why}")),
             });
         }
     };
@@ -382,11 +523,13 @@ fn try_adopt(path: &Path, file: File, cap: u64, mode: u32) -> Result<Opened, Shm
     let wake = open_wake(path, mode);
     Ok(Opened::Adopt(RingWriter {
         path: path.into(),
-        _file: file,
+        file,
         map,
         geo,
         cur,
         adopted: true,
+        replaced: None,
+        truncated: None,
         wake,
     }))
 }
@@ -601,7 +744,7 @@ fn create(
     let wake = open_wake(path, mode);
     Ok(Some(RingWriter {
         path: path.into(),
-        _file: file,
+        file,
         map,
         geo: g,
         cur: WriterCursor {
@@ -612,6 +755,8 @@ fn create(
             next_seq: seq_base,
         },
         adopted: false,
+        replaced: None,
+        truncated: None,
         wake,
     }))
 }

@@ -79,16 +79,17 @@ fn padding_and_implicit_skip_at_wrap() {
     let p = ring_path(&d);
     let mut w = RingWriter::open(&p, &opts(1)).unwrap();
     let mut r = RingReader::open(&p).unwrap();
-    // 13 * 5040 = 65520: 16 bytes left, less than a header -> implicit skip.
+    // Records of 5040 bytes: 13 * 5040 = 65520, 16 bytes left, less than a header -> implicit skip.
+    let l = 5040 - RECORD_HEADER_LEN;
     for _ in 0..13 {
-        write(&mut w, 5000);
+        write(&mut w, l);
     }
     assert_eq!(w.cursor().tail, 65520);
-    let s = write(&mut w, 5000);
+    let s = write(&mut w, l);
     assert_eq!(w.cursor().tail, 65536 + 5040, "skipped the 16-byte tail");
     // Now leave 1000 bytes before the next wrap, then write 2000: padding record.
     while 131072 - w.cursor().tail >= 5040 {
-        write(&mut w, 5000);
+        write(&mut w, l);
     }
     let left = 131072 - w.cursor().tail;
     let len = (left as usize - RECORD_HEADER_LEN) + 500;

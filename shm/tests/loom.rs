@@ -2,7 +2,7 @@
 //!
 //! RUSTFLAGS="--cfg loom" cargo test -p kvbridge-shm --release --test loom
 //!
-//! One writer appends to a 128-byte ring whose records are 48 bytes, so the
+//! One writer appends to a 128-byte ring whose records are 56 bytes, so the
 //! third record already overwrites the first: laps happen in most schedules.
 //! Two readers read concurrently. For every interleaving (and every stale
 //! value the memory model allows for our orderings) loom checks:
@@ -12,11 +12,15 @@
 //! * every lap is reported, never spurious: a reader's position only moves
 //!   by +1 on a record or to `resume_at` on `Lapped`, and `Lapped` is only
 //!   reported for a number the writer had really retired (`oldest > want`);
-//! * sequence numbers are strictly monotonic per reader.
+//! * sequence numbers are strictly monotonic per reader;
+//! * a ring nobody corrupts never yields `Corrupt`: every failed check, and
+//!   every checksum computed over bytes the writer was overwriting, is
+//!   classified as a lap (the checksum is checked after the intactness check
+//!   that tells "overwritten" from "changed by someone else").
 #![cfg(loom)]
 
 use kvbridge_shm::layout::RECORD_HEADER_LEN;
-use kvbridge_shm::protocol::{Read, RecordMeta, Ring, WriterCursor};
+use kvbridge_shm::protocol::{record_crc, Read, RecordMeta, Ring, WriterCursor};
 use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 
@@ -90,7 +94,9 @@ fn writer(s: &Shared, cur: &mut WriterCursor, n: u64) {
         let p = slot.start + RECORD_HEADER_LEN as u64;
         ring.data_word(p)
             .store(payload_for(slot.seq), Ordering::Relaxed);
-        ring.commit(cur, slot, meta_for(slot.seq));
+        let meta = meta_for(slot.seq);
+        let crc = record_crc(slot.seq, 8, &meta, &payload_for(slot.seq).to_le_bytes());
+        ring.commit(cur, slot, meta, crc);
     }
 }
 
@@ -100,22 +106,32 @@ fn reader(s: &Shared, attempts: usize) {
     let mut last_accepted = 0u64;
     for _ in 0..attempts {
         match ring.read(want) {
-            Read::Record { pos, len, meta } => {
+            Read::Record {
+                pos,
+                len,
+                meta,
+                crc,
+            } => {
                 assert_eq!(len, 8);
                 assert_eq!(meta, meta_for(want), "torn header/metadata");
                 let v = ring
                     .data_word(pos + RECORD_HEADER_LEN as u64)
                     .load(Ordering::Relaxed);
-                if ring.intact(pos) {
-                    assert_eq!(v, payload_for(want), "torn payload accepted");
-                    assert!(want > last_accepted, "not monotonic");
-                    last_accepted = want;
-                    want += 1;
-                } else {
-                    // Consumer-side lap: the retirement must be visible.
-                    assert!(ring.oldest.load(Ordering::Acquire) > want);
-                    let o = ring.oldest.load(Ordering::Acquire);
-                    want = o;
+                let crc_ok = record_crc(want, len, &meta, &v.to_le_bytes()) == crc;
+                match ring.verify(want, pos, crc_ok) {
+                    Ok(()) => {
+                        assert_eq!(v, payload_for(want), "torn payload accepted");
+                        assert!(want > last_accepted, "not monotonic");
+                        last_accepted = want;
+                        want += 1;
+                    }
+                    Err(Read::Lapped { resume_at }) => {
+                        // Overwritten while checksummed: the retirement must be visible.
+                        assert!(resume_at > want);
+                        assert!(ring.oldest.load(Ordering::Acquire) > want);
+                        want = resume_at;
+                    }
+                    Err(other) => panic!("record {want}: {other:?} (nothing corrupts this ring)"),
                 }
             }
             Read::Empty => loom::thread::yield_now(),
@@ -128,6 +144,7 @@ fn reader(s: &Shared, attempts: usize) {
                 assert!(resume_at <= ring.newest.load(Ordering::Acquire) + 1);
                 want = resume_at;
             }
+            Read::Corrupt { .. } => panic!("record {want} reported corrupt in an intact ring"),
         }
     }
 }

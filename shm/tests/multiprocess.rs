@@ -162,6 +162,8 @@ fn run_reader(path: PathBuf) {
             ReadOutcome::RingReset { new_ring_id } => {
                 fail(format!("unexpected reset {new_ring_id}"))
             }
+            // Nothing corrupts this ring: laps and a SIGKILLed writer must never look like it.
+            ReadOutcome::Corrupt { seq, .. } => fail(format!("spurious corrupt record {seq}")),
         }
     }
     println!(

@@ -11,7 +11,7 @@ proptest! {
 
     #[test]
     fn random_lengths_reads_exact_or_lapped(
-        ops in proptest::collection::vec((0usize..16_344, 0u8..4), 1..300)
+        ops in proptest::collection::vec((0usize..=layout::max_payload(64 * 1024), 0u8..4), 1..300)
     ) {
         let d = tmpdir();
         let p = ring_path(&d);

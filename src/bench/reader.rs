@@ -173,6 +173,13 @@ pub fn run_reader(
                 }
                 last = None;
             }
+            ReadOutcome::Corrupt { .. } => {
+                // Not served: a record lost to damage, counted like a lap's loss.
+                if counting {
+                    d.lost += 1;
+                }
+                last = None;
+            }
             ReadOutcome::Empty => {
                 if spin {
                     std::hint::spin_loop();

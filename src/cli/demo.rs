@@ -194,11 +194,13 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     // One shared-memory reader, in a thread of its own, measures from the ingest time.
     let shm_lane = Lane::new();
     {
-        let (lane, stop, mut reader) = (shm_lane.clone(), stop.clone(), service.merged.reader());
+        let (lane, stop, hub) = (shm_lane.clone(), stop.clone(), service.merged.clone());
+        let mut reader = hub.reader();
         threads.push(std::thread::spawn(move || {
             use kvbridge_shm::ReadOutcome;
             let _ = reader.seek(reader.newest() + 1);
-            while !stop.load(Ordering::Relaxed) {
+            // A ring that became unusable (truncated) must not be read any more.
+            while !stop.load(Ordering::Relaxed) && hub.failure().is_none() {
                 match reader.next_blocking(Duration::from_millis(100)) {
                     ReadOutcome::Record(v) => {
                         let ingest = v.meta().ingest_ns;
@@ -210,7 +212,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
                             lane.record(crate::clock::unix_nanos().saturating_sub(ingest) / 1000);
                         }
                     }
-                    ReadOutcome::Lapped { .. } => {
+                    ReadOutcome::Lapped { .. } | ReadOutcome::Corrupt { .. } => {
                         lane.losses.fetch_add(1, Ordering::Relaxed);
                     }
                     _ => {}
@@ -234,10 +236,12 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     tick.tick().await;
     let mut last_pub = 0;
     let mut last_sent = 0;
+    let mut fatal = service.failure();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = tokio::signal::ctrl_c() => break,
+            _ = fatal.changed() => break,
         }
         let pubd = published.load(Ordering::Relaxed);
         let sent = service.metrics.batches_sent.get();
@@ -300,9 +304,13 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     for t in threads {
         let _ = t.join();
     }
+    let failed = fatal.borrow().clone();
     service.shutdown().await;
     let _ = std::fs::remove_file(&shm);
     let _ = std::fs::remove_file(kvbridge_shm::wake_path(&shm));
+    if let Some(why) = failed {
+        return Err(CliError::Failed(why));
+    }
     println!("demo stopped cleanly");
     Ok(())
 }

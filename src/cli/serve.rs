@@ -21,10 +21,25 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
     let rt = super::runtime()?;
     rt.block_on(async move {
         let handle = run_service(&cfg).await?;
-        wait_for_signal().await;
-        tracing::info!("shutting down: stopping ingest, ending streams, releasing the ring");
+        let mut fatal = handle.failure();
+        let failed = tokio::select! {
+            _ = wait_for_signal() => None,
+            f = fatal.wait_for(Option::is_some) => Some(match f {
+                Ok(f) => f.clone().unwrap_or_default(),
+                Err(_) => "the ring heartbeat thread ended unexpectedly".to_string(),
+            }),
+        };
+        match &failed {
+            None => {
+                tracing::info!("shutting down: stopping ingest, ending streams, releasing the ring")
+            }
+            Some(why) => tracing::error!("shutting down after a fatal ring error: {why}"),
+        }
         handle.shutdown().await;
-        Ok(())
+        match failed {
+            None => Ok(()),
+            Some(why) => Err(CliError::Failed(why)),
+        }
     })
 }
 
@@ -52,6 +67,7 @@ pub struct ServiceHandle {
     ingest: Ingest,
     heartbeat_stop: Arc<AtomicBool>,
     heartbeat: std::thread::JoinHandle<()>,
+    fatal: tokio::sync::watch::Receiver<Option<String>>,
     shutdown_tx: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<()>,
     metrics_task: Option<tokio::task::JoinHandle<()>>,
@@ -61,6 +77,12 @@ pub struct ServiceHandle {
 }
 
 impl ServiceHandle {
+    /// Becomes `Some(reason)` when the bridge can no longer run (a ring file truncated under
+    /// it): the owner should then [`shutdown`](Self::shutdown) and exit with an error.
+    pub fn failure(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.fatal.clone()
+    }
+
     /// Stops ingest, ends every stream with `UNAVAILABLE`, stops the server (waiting at most 5 s
     /// for connections to drain) and releases the ring writer.
     pub async fn shutdown(self) {
@@ -162,7 +184,8 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     let mut hubs = vec![merged.clone()];
     hubs.extend(rank_hubs.iter().cloned());
     let heartbeat_stop = Arc::new(AtomicBool::new(false));
-    let heartbeat = crate::ring::spawn_heartbeat(hubs.clone(), heartbeat_stop.clone());
+    let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
+    let heartbeat = crate::ring::spawn_heartbeat(hubs.clone(), heartbeat_stop.clone(), fatal_tx);
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let fanout = Arc::new(Fanout::new(
@@ -214,6 +237,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         ingest,
         heartbeat_stop,
         heartbeat,
+        fatal,
         shutdown_tx,
         server,
         metrics_task,

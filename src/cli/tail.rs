@@ -77,6 +77,9 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
             ReadOutcome::Lapped { missed, resume_at } => {
                 eprintln!("kvbridge tail: lapped by the writer: {missed} records missed, resuming at {resume_at}");
             }
+            ReadOutcome::Corrupt { seq, resume_at } => {
+                eprintln!("kvbridge tail: corrupt record {seq} (checksum mismatch or damaged header; the ring file was modified outside its writer): skipped, resuming at {resume_at}");
+            }
             ReadOutcome::WriterGone => {
                 if !gone_reported {
                     eprintln!(

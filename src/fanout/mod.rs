@@ -11,6 +11,11 @@
 //! which is when HTTP/2 flow control has room. A subscriber that stops reading therefore costs
 //! nothing, never slows ingest or the others, and is caught with `DATA_LOSS` at its next read if
 //! the ring overwrote its position meanwhile.
+//!
+//! A record read from the ring that fails its checksum (the file was modified outside kvbridge)
+//! is never served either: that subscriber ends with `DATA_LOSS` naming the corrupt record, and
+//! later fresh subscribers start after it (the hub remembers it). Records from the recent cache
+//! were copied at commit time and need no check.
 
 mod service;
 
@@ -169,6 +174,8 @@ impl Fanout {
 
         let mut reader = hub.reader();
         let (o, n) = hub.window();
+        // A record found corrupt is the effective start of the window while it is retained.
+        let o = hub.readable_from(o).min(n + 1);
         let next = if start == 0 {
             self.metrics.resumes.with_label_values(&["fresh"]).inc();
             o
@@ -307,6 +314,12 @@ impl Subscription {
                     "kvbridge is shutting down; resubscribe with the same cursor",
                 ));
             }
+            if let Some(why) = self.hub.failure() {
+                return Err(Status::unavailable(format!(
+                    "ring {} is unusable ({why}); kvbridge is stopping",
+                    self.hub.label()
+                )));
+            }
             // Overwritten in the ring: whatever a cache still holds, the subscriber fell behind
             // the retained window, and resuming past the hole would be a silent skip.
             let oldest = self.hub.oldest();
@@ -344,6 +357,7 @@ impl Subscription {
                     return Ok(EncodedBatch(Bytes::copy_from_slice(&self.scratch)));
                 }
                 ReadOutcome::Lapped { resume_at, .. } => return Err(self.lapped(resume_at)),
+                ReadOutcome::Corrupt { seq, .. } => return Err(self.corrupt(seq)),
                 ReadOutcome::Empty => {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
@@ -366,6 +380,22 @@ impl Subscription {
         let missed = oldest.saturating_sub(self.next);
         Status::data_loss(format!(
             "fell behind: last delivered {last}, oldest retained {oldest}, {missed} batches missed; resubscribe from 0"
+        ))
+    }
+
+    /// Record `seq` failed its checksum in the ring: never served, and never skipped silently.
+    fn corrupt(&self, seq: u64) -> Status {
+        self.hub.note_corrupt(seq);
+        self.metrics
+            .ring_corrupt_records
+            .with_label_values(&[self.hub.label()])
+            .inc();
+        tracing::error!(ring = self.hub.label(), seq, path = self.path,
+            "corrupt record in the ring (checksum mismatch or damaged header): ending the subscriber with DATA_LOSS");
+        Status::data_loss(format!(
+            "corrupt record: batch {seq} in the ring failed its checksum (the ring file was modified \
+             outside kvbridge); last delivered {}; resubscribe from 0",
+            self.next - 1
         ))
     }
 

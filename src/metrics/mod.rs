@@ -49,6 +49,9 @@ pub struct Metrics {
     pub ring_fill: prometheus::GaugeVec,
     /// Subscribers that fell a lap behind and were ended with DATA_LOSS, per ring.
     pub ring_reader_laps: IntCounterVec,
+    /// Records that failed their checksum (or had a damaged header) when read from the ring;
+    /// the subscriber reading one was ended with DATA_LOSS. Per ring.
+    pub ring_corrupt_records: IntCounterVec,
     /// Subscribers disconnected for being too slow (DATA_LOSS), per path.
     pub slow_disconnects: IntCounterVec,
     /// Calls rejected for a missing or wrong bearer token.
@@ -238,6 +241,12 @@ impl Metrics {
                 &r,
                 "ring_reader_laps_total",
                 "In-process readers (subscribers) overtaken by the writer",
+                &["ring"],
+            ),
+            ring_corrupt_records: counter(
+                &r,
+                "ring_corrupt_records_total",
+                "Records read from the ring with a bad checksum or damaged header (not served)",
                 &["ring"],
             ),
             slow_disconnects: counter(

@@ -50,13 +50,29 @@ impl RingMetrics {
 }
 
 /// Keeps every ring's heartbeat fresh and its gauges current (every 100 ms), until `stop`.
-pub fn spawn_heartbeat(hubs: Vec<Arc<RingHub>>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+///
+/// The heartbeat is also where a ring file truncated under the writer is noticed (touching it
+/// would be `SIGBUS`): that ring stops being written or read, an ERROR names the problem, and
+/// `fatal` is set to the reason so that the service shuts down cleanly.
+pub fn spawn_heartbeat(
+    hubs: Vec<Arc<RingHub>>,
+    stop: Arc<AtomicBool>,
+    fatal: tokio::sync::watch::Sender<Option<String>>,
+) -> JoinHandle<()> {
     std::thread::Builder::new()
         .name("ring-heartbeat".into())
         .spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 for h in &hubs {
-                    h.heartbeat();
+                    if h.failure().is_some() {
+                        continue;
+                    }
+                    if let Err(e) = h.heartbeat() {
+                        tracing::error!(ring = h.label(), error = %e,
+                            "ring file unusable: writing stopped, kvbridge is shutting down (restart it to re-create the ring)");
+                        fatal.send_replace(Some(format!("ring {}: {e}", h.label())));
+                        continue;
+                    }
                     h.metrics.sample(h);
                 }
                 std::thread::sleep(Duration::from_millis(100));

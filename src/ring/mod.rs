@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvbridge_shm::{ReadOutcome, RecordMeta, RingReader, RingWriter, ShmError, WriterOptions};
+use kvbridge_shm::{
+    ReadOutcome, RecordMeta, Replaced, RingReader, RingWriter, ShmError, WriterOptions,
+};
 use parking_lot::{Mutex, RwLock};
 use prost::Message;
 use thiserror::Error;
@@ -66,11 +68,17 @@ pub struct RingHub {
     newest: AtomicU64,
     /// Oldest retained sequence (O), kept beside `newest` so subscribers can check it lock-free.
     oldest: AtomicU64,
+    /// Highest sequence number found corrupt in the ring (0: none). Fresh subscribers start above
+    /// it, so that they do not all run into the same damaged record while it is retained.
+    corrupt_floor: AtomicU64,
     /// The cache never holds more than this (a quarter of the ring), so everything it serves
     /// is also inside the ring's retained window.
     cache_max_bytes: usize,
     notify: tokio::sync::Notify,
     metrics: RingMetrics,
+    /// Set when the ring file can no longer be used (truncated under the writer): nothing may
+    /// touch its mapping any more.
+    failure: std::sync::OnceLock<String>,
 }
 
 /// What one source became.
@@ -91,6 +99,10 @@ pub struct Recovered {
     pub last_upstream: std::collections::HashMap<u32, u64>,
     /// Whether an existing ring was adopted.
     pub adopted: bool,
+    /// Records of an adopted ring that failed their checksum (skipped; never served).
+    pub corrupt_records: u64,
+    /// Why a file found at the path was replaced by a new ring instead of adopted.
+    pub replaced: Option<Replaced>,
 }
 
 impl RingHub {
@@ -111,13 +123,28 @@ impl RingHub {
         let adopted = writer.adopted();
         let mut recovered = Recovered {
             adopted,
+            replaced: writer.replaced().cloned(),
             ..Default::default()
         };
-        let next_event_id = if adopted {
+        match &recovered.replaced {
+            Some(why) if why.is_damage() => tracing::warn!(ring = label, path = %path.display(),
+                reason = %why,
+                "the ring file found at start-up was unusable and has been replaced by a new ring \
+                 (its retained history is lost: subscribers resume from 0): {why}"),
+            Some(why) => tracing::info!(ring = label, path = %path.display(), reason = %why,
+                "the ring file found at start-up was replaced by a new ring: {why}"),
+            None => {}
+        }
+        let (next_event_id, corrupt_floor) = if adopted {
             recover(&reader, &mut recovered)
         } else {
-            1
+            (1, 0)
         };
+        if recovered.corrupt_records > 0 {
+            tracing::warn!(ring = label, path = %path.display(), corrupt = recovered.corrupt_records,
+                last_corrupt_seq = corrupt_floor,
+                "adopted ring holds records that fail their checksum: they will not be served, and fresh subscribers start after them");
+        }
         let newest = writer.newest();
         let oldest = writer.oldest();
         let capacity = writer.capacity();
@@ -132,9 +159,11 @@ impl RingHub {
             cache: RwLock::new(RecentCache::default()),
             newest: AtomicU64::new(newest),
             oldest: AtomicU64::new(oldest),
+            corrupt_floor: AtomicU64::new(corrupt_floor),
             cache_max_bytes,
             notify: tokio::sync::Notify::new(),
             metrics: RingMetrics::new(metrics, label, capacity as u64, label == "merged"),
+            failure: std::sync::OnceLock::new(),
         });
         Ok((hub, recovered))
     }
@@ -190,9 +219,24 @@ impl RingHub {
         Ok(out)
     }
 
-    /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale).
-    fn heartbeat(&self) {
-        self.writer.lock().writer.heartbeat();
+    /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale), after
+    /// checking that the ring file is still whole. An error means the ring is unusable: the hub
+    /// is marked failed (see [`failure`](Self::failure)) and every waiter is woken.
+    pub fn heartbeat(&self) -> Result<(), ShmError> {
+        if self.failure.get().is_some() {
+            return Ok(());
+        }
+        let r = self.writer.lock().writer.heartbeat();
+        if let Err(e) = &r {
+            let _ = self.failure.set(e.to_string());
+            self.wake_all();
+        }
+        r
+    }
+
+    /// Why this ring can no longer be used (written or read), if it cannot.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
     }
 
     /// Oldest, newest, bytes retained and capacity, in one consistent view.
@@ -228,6 +272,17 @@ impl RingHub {
         self.oldest.load(Ordering::Acquire)
     }
 
+    /// Notes that record `seq` was found corrupt in the ring (a subscriber read it).
+    pub fn note_corrupt(&self, seq: u64) {
+        self.corrupt_floor.fetch_max(seq, Ordering::AcqRel);
+    }
+
+    /// The first sequence number a fresh subscriber can read without running into a record
+    /// known to be corrupt: O, or one past the newest corrupt record if that is still retained.
+    pub fn readable_from(&self, oldest: u64) -> u64 {
+        oldest.max(self.corrupt_floor.load(Ordering::Acquire).saturating_add(1))
+    }
+
     /// The encoded record `seq` and its ingest time (Unix ns), if still in the recent cache.
     pub fn cached_at(&self, seq: u64) -> Option<(Bytes, u64)> {
         self.cache.read().get(seq)
@@ -251,9 +306,11 @@ impl RingHub {
 }
 
 /// Walks an adopted ring: learns each rank's last upstream sequence (so that ingest can ask the
-/// engine's replay for exactly what it missed) and returns the event id to continue from.
-fn recover(reader: &RingReader, recovered: &mut Recovered) -> u64 {
+/// engine's replay for exactly what it missed) and returns the event id to continue from and the
+/// newest corrupt record's sequence number (0: none); corrupt records are counted and skipped.
+fn recover(reader: &RingReader, recovered: &mut Recovered) -> (u64, u64) {
     let mut next_event_id = 1;
+    let mut corrupt_floor = 0;
     let mut r = reader.clone();
     let mut buf = Vec::new();
     loop {
@@ -275,8 +332,12 @@ fn recover(reader: &RingReader, recovered: &mut Recovered) -> u64 {
                 }
             }
             ReadOutcome::Lapped { .. } => continue,
+            ReadOutcome::Corrupt { seq, .. } => {
+                recovered.corrupt_records += 1;
+                corrupt_floor = seq;
+            }
             _ => break,
         }
     }
-    next_event_id
+    (next_event_id, corrupt_floor)
 }
