@@ -20,20 +20,42 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
     super::init_tracing(cfg.log_format);
     let rt = super::runtime()?;
     rt.block_on(async move {
+        // Before anything starts: a SIGTERM during start-up still means a clean stop.
+        let mut stop = StopSignals::install()?;
         let handle = run_service(&cfg).await?;
-        wait_for_signal().await;
+        stop.recv().await;
         tracing::info!("shutting down: stopping ingest, ending streams, releasing the ring");
         handle.shutdown().await;
         Ok(())
     })
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+/// SIGTERM and SIGINT (Ctrl-C), caught from the moment they are installed.
+pub(super) struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Installs the handlers (needs a running tokio runtime).
+    pub(super) fn install() -> Result<Self, CliError> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let install = |kind| {
+            signal(kind)
+                .map_err(|e| CliError::Setup(format!("cannot install a signal handler: {e}")))
+        };
+        Ok(StopSignals {
+            term: install(SignalKind::terminate())?,
+            int: install(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Waits for either signal.
+    pub(super) async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
     }
 }
 
