@@ -21,8 +21,9 @@ use crate::decode::Profile;
 
 /// Default gRPC listen address (docs/smg-api.md: the worker's KV-event port).
 pub const DEFAULT_GRPC: &str = "127.0.0.1:50061";
-/// Default Prometheus listen address.
-pub const DEFAULT_METRICS: &str = "127.0.0.1:9464";
+/// The default Prometheus port is the gRPC port plus this (minus it when that would pass 65535):
+/// see [`default_metrics_addr`].
+pub const METRICS_PORT_OFFSET: u16 = 1000;
 /// Default ring size: 64 MiB.
 pub const DEFAULT_RING_SIZE: u64 = 64 << 20;
 /// Smallest ring accepted (tests use small rings).
@@ -45,6 +46,20 @@ pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 pub const MAX_HEALTH_GRACE_MS: u64 = 24 * 3600 * 1000;
 /// The `--metrics` value that disables the Prometheus endpoint.
 pub const METRICS_OFF: &str = "off";
+/// Where `/metrics` is served when `--metrics` is not given: on loopback, at the gRPC port +
+/// [`METRICS_PORT_OFFSET`] (gRPC 50061 → 127.0.0.1:51061), or − the offset for gRPC ports above
+/// 64535. Several bridges on one host therefore need only distinct gRPC ports, and each one's
+/// metrics port follows from its gRPC port. gRPC port 0 (any free port) gives metrics port 0 as
+/// well; both bound addresses are logged.
+pub fn default_metrics_addr(grpc: SocketAddr) -> SocketAddr {
+    let port = match grpc.port() {
+        0 => 0,
+        p => p
+            .checked_add(METRICS_PORT_OFFSET)
+            .unwrap_or(p - METRICS_PORT_OFFSET),
+    };
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
 
 /// A configuration problem; the message names the flag or key.
 #[derive(Debug, Error)]
@@ -261,9 +276,9 @@ impl ServeArgs {
         } = self.clone();
         let engine = engine.merge(file.engine).validate()?;
         let streaming = streaming.merge(file.streaming).validate()?;
-        let ring = ring.merge(file.ring).validate(streaming.grpc.port())?;
+        let ring = ring.merge(file.ring).validate()?;
         let security = security.merge(file.security).validate()?;
-        let ops = ops.merge(file.ops).validate()?;
+        let ops = ops.merge(file.ops).validate(streaming.grpc)?;
         Ok(ServeConfig {
             ranks: engine.ranks,
             topic: engine.topic,
@@ -373,7 +388,7 @@ concern! {
     /// The ring: its file, size and numbering.
     #[command(next_help_heading = "Ring")]
     pub struct RingArgs {
-        /// Ring file [default: /dev/shm/kvbridge-{grpc port}].
+        /// Ring file [default: /dev/shm/kvbridge-{grpc port}, the port as bound].
         #[arg(long, value_name = "PATH")]
         pub shm: Option<PathBuf>,
         /// Ring data size, e.g. `64MiB`, `1048576` [default: 64MiB, minimum 1MiB].
@@ -392,7 +407,7 @@ concern! {
 }
 
 struct RingConfig {
-    shm: PathBuf,
+    shm: Option<PathBuf>,
     ring_size: u64,
     seq_base: Option<u64>,
     split_threshold: u64,
@@ -400,11 +415,7 @@ struct RingConfig {
 }
 
 impl RingArgs {
-    /// `grpc_port` names the default ring file.
-    fn validate(self, grpc_port: u16) -> Result<RingConfig, ConfigError> {
-        let shm = self
-            .shm
-            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{grpc_port}")));
+    fn validate(self) -> Result<RingConfig, ConfigError> {
         let ring_size = match &self.ring_size {
             Some(s) => s.bytes("ring-size")?,
             None => DEFAULT_RING_SIZE,
@@ -440,7 +451,7 @@ impl RingArgs {
             ));
         }
         Ok(RingConfig {
-            shm,
+            shm: self.shm,
             ring_size,
             seq_base: self.seq_base,
             split_threshold,
@@ -560,7 +571,8 @@ concern! {
     /// Operations: metrics, logs and health.
     #[command(next_help_heading = "Operations")]
     pub struct OpsArgs {
-        /// Prometheus listen address [default: 127.0.0.1:9464]; `off` disables it.
+        /// Prometheus listen address, or `off` [default: 127.0.0.1:{grpc port + 1000}, or port 0
+        /// when the gRPC port is 0].
         #[arg(long, value_name = "ADDR")]
         pub metrics: Option<String>,
         /// Log format [default: text].
@@ -580,15 +592,14 @@ struct OpsConfig {
 }
 
 impl OpsArgs {
-    fn validate(self) -> Result<OpsConfig, ConfigError> {
-        let metrics_text = self.metrics.unwrap_or_else(|| DEFAULT_METRICS.to_string());
-        let metrics = if metrics_text == METRICS_OFF {
-            None
-        } else {
-            Some(
-                parse_addr(&metrics_text)
-                    .map_err(|e| invalid(format!("--metrics {metrics_text:?}: {e}")))?,
-            )
+    /// `grpc` decides the default metrics address.
+    fn validate(self, grpc: SocketAddr) -> Result<OpsConfig, ConfigError> {
+        let metrics = match self.metrics.as_deref() {
+            None => Some(default_metrics_addr(grpc)),
+            Some(METRICS_OFF) => None,
+            Some(text) => {
+                Some(parse_addr(text).map_err(|e| invalid(format!("--metrics {text:?}: {e}")))?)
+            }
         };
         let health_grace_ms = self.health_grace_ms.unwrap_or(DEFAULT_HEALTH_GRACE_MS);
         if health_grace_ms > MAX_HEALTH_GRACE_MS {
@@ -613,8 +624,8 @@ pub struct ServeConfig {
     pub topic: String,
     /// gRPC listen address.
     pub grpc: SocketAddr,
-    /// Ring file.
-    pub shm: PathBuf,
+    /// Ring file given with `--shm`; see [`ServeConfig::ring_path`].
+    pub shm: Option<PathBuf>,
     /// Ring data size in bytes.
     pub ring_size: u64,
     /// First number of a brand-new ring.
@@ -645,6 +656,16 @@ pub struct ServeConfig {
     pub auth_token: Option<String>,
     /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
     pub max_streams_per_connection: Option<u32>,
+}
+
+impl ServeConfig {
+    /// The ring file: `--shm`, else `/dev/shm/kvbridge-<grpc_port>` where `grpc_port` is the
+    /// port gRPC is bound to (so that `--grpc …:0` still gives each bridge a ring of its own).
+    pub fn ring_path(&self, grpc_port: u16) -> PathBuf {
+        self.shm
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{grpc_port}")))
+    }
 }
 
 /// PEM contents of `--tls-cert` and `--tls-key`.
@@ -936,7 +957,13 @@ mod tests {
     fn defaults_and_ranks() {
         let c = args(&["tcp://*:5557", "tcp://*:5558"]).resolve().unwrap();
         assert_eq!(c.grpc.to_string(), DEFAULT_GRPC);
-        assert_eq!(c.shm, PathBuf::from("/dev/shm/kvbridge-50061"));
+        assert_eq!(
+            c.ring_path(c.grpc.port()),
+            PathBuf::from("/dev/shm/kvbridge-50061")
+        );
+        assert_eq!(c.metrics, Some("127.0.0.1:51061".parse().unwrap()));
+        assert_eq!(c.ring_size, 64 << 20);
+
         assert_eq!(c.ring_size, 64 << 20);
         assert_eq!(c.ranks.len(), 2);
         assert_eq!(c.ranks[1].rank, 1);
@@ -1220,6 +1247,37 @@ mod tests {
                 "{what}: file won"
             );
         }
+    }
+
+    #[test]
+    fn metrics_default_follows_the_grpc_port() {
+        let metrics = |extra: &[&str]| {
+            let mut argv = vec!["--zmq", "tcp://*:5557"];
+            argv.extend(extra);
+            flags(&argv).resolve().unwrap().metrics
+        };
+        let at = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
+        assert_eq!(metrics(&[]), at("127.0.0.1:51061"));
+        assert_eq!(metrics(&["--grpc", "0.0.0.0:50062"]), at("127.0.0.1:51062"));
+        assert_eq!(
+            metrics(&["--grpc", "127.0.0.1:65000"]),
+            at("127.0.0.1:64000")
+        );
+        assert_eq!(
+            metrics(&["--grpc", "127.0.0.1:64535"]),
+            at("127.0.0.1:65535")
+        );
+        assert_eq!(metrics(&["--grpc", "127.0.0.1:0"]), at("127.0.0.1:0"));
+        assert_eq!(
+            metrics(&["--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:9464"]),
+            at("127.0.0.1:9464")
+        );
+        assert_eq!(metrics(&["--metrics", "off"]), None);
+        // The ring follows the gRPC port as bound.
+        let c = flags(&["--zmq", "tcp://*:5557", "--grpc", "127.0.0.1:0"])
+            .resolve()
+            .unwrap();
+        assert_eq!(c.ring_path(40001), PathBuf::from("/dev/shm/kvbridge-40001"));
     }
 
     #[test]

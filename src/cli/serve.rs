@@ -138,19 +138,21 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     };
     let metrics_addr = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
     let metrics = Arc::new(Metrics::new());
+    // Derived from the port actually bound, so that `--grpc …:0` gets a ring of its own too.
+    let shm = cfg.ring_path(grpc_addr.port());
 
     let opts = WriterOptions {
         capacity: cfg.ring_size as usize,
         seq_base: cfg.seq_base,
         group_read: cfg.shm_group_read,
     };
-    let (merged, recovered) = RingHub::open("merged", &cfg.shm, &opts, &metrics)
-        .map_err(|e| setup(format!("--shm: {e}")))?;
-    tracing::info!(path = %cfg.shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
+    let (merged, recovered) =
+        RingHub::open("merged", &shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
+    tracing::info!(path = %shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
-            let path = rank_ring_path(&cfg.shm, r.rank);
+            let path = rank_ring_path(&shm, r.rank);
             let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
                 .map_err(|e| setup(format!("--shm: {e}")))?;
             rank_hubs.push(hub);
@@ -225,8 +227,10 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
             }
         })
     };
-    tracing::info!(%grpc_addr, metrics = ?metrics_addr, ranks = cfg.ranks.len(), tls = cfg.tls.is_some(),
-        auth = cfg.auth_token.is_some(), "serving SubscribeKvEvents");
+    let metrics_url =
+        metrics_addr.map_or_else(|| "off".to_string(), |a| format!("http://{a}/metrics"));
+    tracing::info!(%grpc_addr, metrics = %metrics_url, ring = %shm.display(), ranks = cfg.ranks.len(),
+        tls = cfg.tls.is_some(), auth = cfg.auth_token.is_some(), "serving SubscribeKvEvents");
     Ok(ServiceHandle {
         grpc_addr,
         metrics_addr,
