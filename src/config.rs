@@ -19,6 +19,10 @@ use thiserror::Error;
 
 use crate::decode::Profile;
 
+mod kv_events;
+
+pub use kv_events::EngineFamily;
+
 /// Default gRPC listen address (docs/smg-api.md: the worker's KV-event port).
 pub const DEFAULT_GRPC: &str = "127.0.0.1:50061";
 /// The default Prometheus port is the gRPC port plus this (minus it when that would pass 65535):
@@ -46,6 +50,9 @@ pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 pub const MAX_HEALTH_GRACE_MS: u64 = 24 * 3600 * 1000;
 /// The `--metrics` value that disables the Prometheus endpoint.
 pub const METRICS_OFF: &str = "off";
+/// Largest `--data-parallel-size` accepted.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+
 /// Where `/metrics` is served when `--metrics` is not given: on loopback, at the gRPC port +
 /// [`METRICS_PORT_OFFSET`] (gRPC 50061 → 127.0.0.1:51061), or − the offset for gRPC ports above
 /// 64535. Several bridges on one host therefore need only distinct gRPC ports, and each one's
@@ -293,6 +300,7 @@ impl ServeArgs {
             max_subscribers: streaming.max_subscribers,
             replay_timeout: engine.replay_timeout,
             shm_group_read: ring.shm_group_read,
+            warnings: engine.warnings,
             metrics: ops.metrics,
             log_format: ops.log_format,
             health_grace: ops.health_grace,
@@ -360,6 +368,19 @@ concern! {
         /// Time to wait for the first replay reply and between replies, in ms [default: 2000].
         #[arg(long, value_name = "MS")]
         pub replay_timeout_ms: Option<u64>,
+        /// The engine's own `--kv-events-config` JSON, or `@FILE` holding it: every rank's event
+        /// and replay endpoints, who binds, and the topic follow from it as in the engine (instead
+        /// of --zmq, --zmq-bind, --replay and --topic).
+        #[arg(long, value_name = "JSON|@FILE")]
+        pub kv_events_config: Option<String>,
+        /// The engine's data-parallel size, with --kv-events-config: rank r publishes on the
+        /// configured port + r [default: 1].
+        #[arg(long, value_name = "N")]
+        pub data_parallel_size: Option<u32>,
+        /// The engine that was given --kv-events-config; needed only where the engines' rules
+        /// differ (`0.0.0.0`, SGLang's `bind` key), which kvbridge reports.
+        #[arg(long, value_enum)]
+        pub engine: Option<EngineFamily>,
     }
 }
 
@@ -367,19 +388,71 @@ struct EngineConfig {
     ranks: Vec<RankEndpoint>,
     topic: String,
     replay_timeout: Duration,
+    warnings: Vec<String>,
 }
 
 impl EngineArgs {
     fn validate(self) -> Result<EngineConfig, ConfigError> {
-        let ranks = build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?;
         let replay_timeout_ms = self.replay_timeout_ms.unwrap_or(DEFAULT_REPLAY_TIMEOUT_MS);
         if replay_timeout_ms == 0 {
             return Err(invalid("--replay-timeout-ms: must be at least 1"));
         }
+        let replay_timeout = Duration::from_millis(replay_timeout_ms);
+        let Some(kv_events_config) = &self.kv_events_config else {
+            for (given, flag) in [
+                (self.data_parallel_size.is_some(), "--data-parallel-size"),
+                (self.engine.is_some(), "--engine"),
+            ] {
+                if given {
+                    return Err(invalid(format!(
+                        "{flag} goes with --kv-events-config (with --zmq, give one endpoint per rank)"
+                    )));
+                }
+            }
+            return Ok(EngineConfig {
+                ranks: build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?,
+                topic: self.topic.unwrap_or_default(),
+                replay_timeout,
+                warnings: Vec::new(),
+            });
+        };
+        let explicit: Vec<&str> = [
+            (!self.zmq.is_empty(), "--zmq"),
+            (!self.zmq_bind.is_empty(), "--zmq-bind"),
+            (!self.replay.is_empty(), "--replay"),
+            (self.topic.is_some(), "--topic"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+        if !explicit.is_empty() {
+            return Err(invalid(format!(
+                "--kv-events-config already gives every rank's endpoints and the topic: drop {} (or drop --kv-events-config)",
+                explicit.join(", ")
+            )));
+        }
+        let dp_size = self.data_parallel_size.unwrap_or(1);
+        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&dp_size) {
+            return Err(invalid(format!(
+                "--data-parallel-size {dp_size}: must be between 1 and {MAX_DATA_PARALLEL_SIZE}"
+            )));
+        }
+        let derived = kv_events::derive(kv_events_config, dp_size, self.engine)
+            .map_err(|e| invalid(format!("--kv-events-config: {e}")))?;
+        check_ranks(&derived.ranks)?;
         Ok(EngineConfig {
-            ranks,
-            topic: self.topic.unwrap_or_default(),
-            replay_timeout: Duration::from_millis(replay_timeout_ms),
+            ranks: derived.ranks,
+            topic: derived.topic,
+            replay_timeout,
+            warnings: derived
+                .ignored_keys
+                .iter()
+                .map(|k| {
+                    format!(
+                        "--kv-events-config: ignoring {k:?}, which no engine's KVEventsConfig has"
+                    )
+                })
+                .collect(),
         })
     }
 }
@@ -644,6 +717,8 @@ pub struct ServeConfig {
     pub replay_timeout: Duration,
     /// Ring file mode 0640 instead of 0600.
     pub shm_group_read: bool,
+    /// Configuration problems that do not stop the bridge, logged once it starts.
+    pub warnings: Vec<String>,
     /// Prometheus address, `None` when disabled.
     pub metrics: Option<SocketAddr>,
     /// Log format.
@@ -743,7 +818,7 @@ fn build_ranks(
 ) -> Result<Vec<RankEndpoint>, ConfigError> {
     if zmq.is_empty() && zmq_bind.is_empty() {
         return Err(invalid(
-            "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT",
+            "no engine endpoint: pass --kv-events-config with the engine's own JSON, or --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT",
         ));
     }
     let total = zmq.len() + zmq_bind.len();
@@ -776,9 +851,15 @@ fn build_ranks(
             replay,
         });
     }
-    // docs/engine-wire.md §2.2: replay = PUB + 1 collides with rank 1's PUB port.
-    for a in &ranks {
-        for b in &ranks {
+    check_ranks(&ranks)?;
+    Ok(ranks)
+}
+
+/// docs/engine-wire.md §2.2: no two ranks on one endpoint, and no replay endpoint that is a rank's
+/// event endpoint (replay = PUB + 1 collides with rank 1's PUB port).
+fn check_ranks(ranks: &[RankEndpoint]) -> Result<(), ConfigError> {
+    for a in ranks {
+        for b in ranks {
             if a.rank != b.rank && a.endpoint == b.endpoint {
                 return Err(invalid(format!(
                     "rank {} and rank {} use the same endpoint {}",
@@ -795,7 +876,7 @@ fn build_ranks(
             }
         }
     }
-    Ok(ranks)
+    Ok(())
 }
 
 /// Checks an endpoint's shape and, for a connecting socket, rewrites wildcard hosts to loopback
@@ -963,8 +1044,6 @@ mod tests {
         );
         assert_eq!(c.metrics, Some("127.0.0.1:51061".parse().unwrap()));
         assert_eq!(c.ring_size, 64 << 20);
-
-        assert_eq!(c.ring_size, 64 << 20);
         assert_eq!(c.ranks.len(), 2);
         assert_eq!(c.ranks[1].rank, 1);
         assert_eq!(c.topic, "");
@@ -1042,7 +1121,7 @@ mod tests {
             ("ring_size = \"2MiB\"\n", "ring_size"),
             ("config = \"other.toml\"\n", "config"),
             ("unknown = true\n", "unknown"),
-            ("[engine]\ntopic = \"kv\"\n", "engine"),
+            ("[ring]\nring-size = \"2MiB\"\n", "ring"),
         ] {
             let err = file(dir.path(), &format!("{base}{text}"))
                 .resolve()
@@ -1056,6 +1135,12 @@ mod tests {
             assert!(msg.ends_with("`health-grace-ms`"), "{msg}");
         }
     }
+
+    /// An engine configuration (no spaces: the rows split flags on whitespace).
+    const KV: &str = r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:6000"}"#;
+    /// One whose meaning depends on the engine (`0.0.0.0`).
+    const KV_ANY: &str =
+        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://0.0.0.0:6000"}"#;
 
     /// One row per setting: its flags, the same setting in TOML, and another TOML value for it.
     struct Row {
@@ -1106,6 +1191,21 @@ mod tests {
                 "--replay-timeout-ms 500",
                 "replay-timeout-ms = 500",
                 "replay-timeout-ms = 600",
+            ),
+            row(
+                &format!("--kv-events-config {KV}"),
+                &format!("kv-events-config = '{KV}'"),
+                &format!("kv-events-config = '{}'", KV.replace("6000", "7000")),
+            ),
+            row(
+                &format!("--kv-events-config {KV} --data-parallel-size 2"),
+                &format!("kv-events-config = '{KV}'\ndata-parallel-size = 2"),
+                &format!("kv-events-config = '{KV}'\ndata-parallel-size = 3"),
+            ),
+            row(
+                &format!("--kv-events-config {KV_ANY} --engine sglang"),
+                &format!("kv-events-config = '{KV_ANY}'\nengine = \"sglang\""),
+                &format!("kv-events-config = '{KV_ANY}'\nengine = \"vllm\""),
             ),
             // Ring.
             row(
@@ -1222,9 +1322,12 @@ mod tests {
         let default = show(&flags(&["--zmq", base_zmq]).resolve().unwrap());
         for row in &rows {
             let what = row.flags.join(" ");
-            // Every row needs a rank; the zmq row brings its own.
+            // Every row needs a rank; the zmq and kv-events-config rows bring their own.
             let (mut argv, mut base_toml) = (row.flags.clone(), String::new());
-            if !argv.iter().any(|f| f == "--zmq") {
+            if !argv
+                .iter()
+                .any(|f| f == "--zmq" || f == "--kv-events-config")
+            {
                 argv.extend(["--zmq".to_string(), base_zmq.to_string()]);
                 base_toml = format!("zmq = [{base_zmq:?}]\n");
             }
@@ -1278,6 +1381,96 @@ mod tests {
             .resolve()
             .unwrap();
         assert_eq!(c.ring_path(40001), PathBuf::from("/dev/shm/kvbridge-40001"));
+    }
+
+    #[test]
+    fn kv_events_config_derives_the_ranks() {
+        let c = flags(&[
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600", "topic": "kv"}"#,
+            "--data-parallel-size",
+            "2",
+        ])
+        .resolve()
+        .unwrap();
+        assert_eq!(
+            c.ranks,
+            [
+                RankEndpoint {
+                    rank: 0,
+                    endpoint: "tcp://127.0.0.1:5557".into(),
+                    bind: false,
+                    replay: Some("tcp://127.0.0.1:5600".into()),
+                },
+                RankEndpoint {
+                    rank: 1,
+                    endpoint: "tcp://127.0.0.1:5558".into(),
+                    bind: false,
+                    replay: Some("tcp://127.0.0.1:5601".into()),
+                },
+            ]
+        );
+        assert_eq!(c.topic, "kv");
+        assert!(c.warnings.is_empty());
+        let c = flags(&["--kv-events-config", r#"{"publisher": "zmq", "hwm2": 1}"#])
+            .resolve()
+            .unwrap();
+        assert_eq!(
+            c.warnings,
+            ["--kv-events-config: ignoring \"hwm2\", which no engine's KVEventsConfig has"]
+        );
+    }
+
+    #[test]
+    fn kv_events_config_excludes_explicit_endpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let kv = r#"{"publisher": "zmq"}"#;
+        for (extra, named) in [
+            (vec!["--zmq", "tcp://*:5557"], "drop --zmq (or"),
+            (
+                vec!["--zmq-bind", "tcp://127.0.0.1:5557"],
+                "drop --zmq-bind (or",
+            ),
+            (
+                vec!["--replay", "tcp://*:5558", "--topic", "kv"],
+                "drop --replay, --topic (or",
+            ),
+        ] {
+            let mut argv = vec!["--kv-events-config", kv];
+            argv.extend(&extra);
+            let e = flags(&argv).resolve().unwrap_err().to_string();
+            assert!(e.contains(named), "{extra:?}: {e}");
+        }
+        // A file's --zmq and a flag's --kv-events-config conflict as well.
+        let mut a = file(dir.path(), "zmq = [\"tcp://*:5557\"]\n");
+        a.engine.kv_events_config = Some(kv.into());
+        assert!(a.resolve().unwrap_err().to_string().contains("drop --zmq"));
+        for (argv, want) in [
+            (
+                vec!["--zmq", "tcp://*:5557", "--data-parallel-size", "2"],
+                "--data-parallel-size goes with --kv-events-config",
+            ),
+            (
+                vec!["--zmq", "tcp://*:5557", "--engine", "vllm"],
+                "--engine goes with --kv-events-config",
+            ),
+            (
+                vec!["--kv-events-config", kv, "--data-parallel-size", "0"],
+                "--data-parallel-size 0: must be between 1 and",
+            ),
+            (
+                vec![
+                    "--kv-events-config",
+                    r#"{"publisher": "zmq", "replay_endpoint": "tcp://*:5558"}"#,
+                    "--data-parallel-size",
+                    "2",
+                ],
+                "--kv-events-config: rank 0's replay port 5558 is rank 1's event port",
+            ),
+        ] {
+            let e = flags(&argv).resolve().unwrap_err().to_string();
+            assert!(e.starts_with(want), "{argv:?}: {e}");
+        }
     }
 
     #[test]

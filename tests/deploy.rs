@@ -1,5 +1,5 @@
-//! Deploying like users do: several bridges on one host with default settings, and logs fit for
-//! files, pipes and terminals.
+//! Deploying like users do: several bridges on one host with default settings, the engine's own
+//! `--kv-events-config` as the only engine input, and logs fit for files, pipes and terminals.
 //! The real binary throughout, its stderr read through a pipe (or a pseudo-terminal).
 
 mod common;
@@ -291,6 +291,114 @@ fn grpc_port_0_binds_metrics_on_port_0_and_logs_both() {
         assert!(status.success(), "{status:?}\n{log}");
     }
     rings.iter().for_each(|r| remove_ring(r));
+}
+
+/// Item 2: the engine's own configuration is the only engine input. Two simulated ranks bound where
+/// the engine's rule puts them (port + rank, replay likewise, wildcard host), and a subscriber
+/// receives both ranks' batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_config_alone_finds_every_rank() {
+    // Four consecutive free ports: events at base, base + 1; replay at base + 2, base + 3.
+    let (base, engines) = loop {
+        let base = free_port();
+        if base > 65530 {
+            continue;
+        }
+        let e0 = Engine::try_start_at(&format!("tcp://*:{base}"), &format!("tcp://*:{}", base + 2));
+        let e1 = Engine::try_start_at(
+            &format!("tcp://*:{}", base + 1),
+            &format!("tcp://*:{}", base + 3),
+        );
+        if let (Ok(e0), Ok(e1)) = (e0, e1) {
+            break (base, [e0, e1]);
+        }
+    };
+    let kv = format!(
+        r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{base}", "replay_endpoint": "tcp://*:{}", "topic": ""}}"#,
+        base + 2
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--kv-events-config".to_string(),
+        kv,
+        "--data-parallel-size".into(),
+        "2".into(),
+        "--grpc".into(),
+        "127.0.0.1:0".into(),
+        "--metrics".into(),
+        "off".into(),
+        "--shm".into(),
+        dir.path().join("ring").display().to_string(),
+    ];
+    let mut bridge = Serve::spawn(&args, &[]);
+    let (grpc, _) = bridge.addresses();
+    for r in 0..2 {
+        let line = bridge.wait_for(&format!("ingest started rank={r}"));
+        let (ep, rep) = (
+            format!("endpoint=tcp://127.0.0.1:{}", base + r),
+            format!("tcp://127.0.0.1:{}", base + 2 + r),
+        );
+        assert!(line.contains(&ep) && line.contains(&rep), "{line}");
+    }
+    bridge.wait_for_nth("engine publisher connected", 2);
+    let mut s = subscribe(&format!("http://{grpc}"), 0).await.unwrap();
+    let mut want = Vec::new();
+    for (r, e) in engines.iter().enumerate() {
+        let ev = store(100 + r as u64, 2, None);
+        if let kvbridge::sim::SimEvent::Stored { hashes, .. } = &ev {
+            want.extend(hashes.iter().copied());
+        }
+        e.publish(Layout::Sglang0523, vec![ev], r as u32);
+    }
+    let got = collect_until(&mut s, T, |b| stored_hashes(b).len() >= want.len()).await;
+    let mut have = stored_hashes(&got);
+    have.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(have, want, "both ranks' batches");
+    assert_eq!(clears(&got), 0);
+    let (status, log) = bridge.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+}
+
+/// `--kv-events-config` with explicit endpoints, or a configuration the engine itself would fail
+/// on: one line, exit code 2.
+#[test]
+fn kv_events_config_errors_are_one_line_and_exit_2() {
+    for (args, want) in [
+        (
+            vec![
+                "--kv-events-config",
+                r#"{"publisher": "zmq"}"#,
+                "--zmq",
+                "tcp://127.0.0.1:5557",
+            ],
+            "drop --zmq",
+        ),
+        (
+            vec![
+                "--kv-events-config",
+                r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}"#,
+                "--data-parallel-size",
+                "2",
+            ],
+            r#""replay_endpoint": "tcp://*:5559""#,
+        ),
+        (
+            vec!["--kv-events-config", "@/nonexistent/kv.json"],
+            "/nonexistent/kv.json",
+        ),
+    ] {
+        let o = Command::new(bin())
+            .arg("serve")
+            .args(&args)
+            .args(["--metrics", "off", "--grpc", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 }
 
 /// Item 3: plain text on a pipe, colour on a terminal unless `NO_COLOR`, and a normal stop

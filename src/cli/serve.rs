@@ -123,6 +123,9 @@ impl ServiceHandle {
 /// Every set-up failure (occupied port, unusable ring path, bad endpoint) is a `Setup` error.
 pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     let setup = CliError::Setup;
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
     // Bind first: an occupied port should fail before a ring is touched.
     let listener = tokio::net::TcpListener::bind(cfg.grpc)
         .await
