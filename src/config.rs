@@ -19,10 +19,15 @@ use thiserror::Error;
 
 use crate::decode::Profile;
 
+mod kv_events;
+
+pub use kv_events::EngineFamily;
+
 /// Default gRPC listen address (docs/smg-api.md: the worker's KV-event port).
 pub const DEFAULT_GRPC: &str = "127.0.0.1:50061";
-/// Default Prometheus listen address.
-pub const DEFAULT_METRICS: &str = "127.0.0.1:9464";
+/// The default Prometheus port is the gRPC port plus this (minus it when that would pass 65535):
+/// see [`default_metrics_addr`].
+pub const METRICS_PORT_OFFSET: u16 = 1000;
 /// Default ring size: 64 MiB.
 pub const DEFAULT_RING_SIZE: u64 = 64 << 20;
 /// Smallest ring accepted (tests use small rings).
@@ -45,6 +50,23 @@ pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 pub const MAX_HEALTH_GRACE_MS: u64 = 24 * 3600 * 1000;
 /// The `--metrics` value that disables the Prometheus endpoint.
 pub const METRICS_OFF: &str = "off";
+/// Largest `--data-parallel-size` accepted.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+
+/// Where `/metrics` is served when `--metrics` is not given: on loopback, at the gRPC port +
+/// [`METRICS_PORT_OFFSET`] (gRPC 50061 → 127.0.0.1:51061), or − the offset for gRPC ports above
+/// 64535. Several bridges on one host therefore need only distinct gRPC ports, and each one's
+/// metrics port follows from its gRPC port. gRPC port 0 (any free port) gives metrics port 0 as
+/// well; both bound addresses are logged.
+pub fn default_metrics_addr(grpc: SocketAddr) -> SocketAddr {
+    let port = match grpc.port() {
+        0 => 0,
+        p => p
+            .checked_add(METRICS_PORT_OFFSET)
+            .unwrap_or(p - METRICS_PORT_OFFSET),
+    };
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
 
 /// A configuration problem; the message names the flag or key.
 #[derive(Debug, Error)]
@@ -261,9 +283,9 @@ impl ServeArgs {
         } = self.clone();
         let engine = engine.merge(file.engine).validate()?;
         let streaming = streaming.merge(file.streaming).validate()?;
-        let ring = ring.merge(file.ring).validate(streaming.grpc.port())?;
+        let ring = ring.merge(file.ring).validate()?;
         let security = security.merge(file.security).validate()?;
-        let ops = ops.merge(file.ops).validate()?;
+        let ops = ops.merge(file.ops).validate(streaming.grpc)?;
         Ok(ServeConfig {
             ranks: engine.ranks,
             topic: engine.topic,
@@ -278,6 +300,7 @@ impl ServeArgs {
             max_subscribers: streaming.max_subscribers,
             replay_timeout: engine.replay_timeout,
             shm_group_read: ring.shm_group_read,
+            warnings: engine.warnings,
             metrics: ops.metrics,
             log_format: ops.log_format,
             health_grace: ops.health_grace,
@@ -345,6 +368,19 @@ concern! {
         /// Time to wait for the first replay reply and between replies, in ms [default: 2000].
         #[arg(long, value_name = "MS")]
         pub replay_timeout_ms: Option<u64>,
+        /// The engine's own `--kv-events-config` JSON, or `@FILE` holding it: every rank's event
+        /// and replay endpoints, who binds, and the topic follow from it as in the engine (instead
+        /// of --zmq, --zmq-bind, --replay and --topic).
+        #[arg(long, value_name = "JSON|@FILE")]
+        pub kv_events_config: Option<String>,
+        /// The engine's data-parallel size, with --kv-events-config: rank r publishes on the
+        /// configured port + r [default: 1].
+        #[arg(long, value_name = "N")]
+        pub data_parallel_size: Option<u32>,
+        /// The engine that was given --kv-events-config; needed only where the engines' rules
+        /// differ (`0.0.0.0`, SGLang's `bind` key), which kvbridge reports.
+        #[arg(long, value_enum)]
+        pub engine: Option<EngineFamily>,
     }
 }
 
@@ -352,19 +388,71 @@ struct EngineConfig {
     ranks: Vec<RankEndpoint>,
     topic: String,
     replay_timeout: Duration,
+    warnings: Vec<String>,
 }
 
 impl EngineArgs {
     fn validate(self) -> Result<EngineConfig, ConfigError> {
-        let ranks = build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?;
         let replay_timeout_ms = self.replay_timeout_ms.unwrap_or(DEFAULT_REPLAY_TIMEOUT_MS);
         if replay_timeout_ms == 0 {
             return Err(invalid("--replay-timeout-ms: must be at least 1"));
         }
+        let replay_timeout = Duration::from_millis(replay_timeout_ms);
+        let Some(kv_events_config) = &self.kv_events_config else {
+            for (given, flag) in [
+                (self.data_parallel_size.is_some(), "--data-parallel-size"),
+                (self.engine.is_some(), "--engine"),
+            ] {
+                if given {
+                    return Err(invalid(format!(
+                        "{flag} goes with --kv-events-config (with --zmq, give one endpoint per rank)"
+                    )));
+                }
+            }
+            return Ok(EngineConfig {
+                ranks: build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?,
+                topic: self.topic.unwrap_or_default(),
+                replay_timeout,
+                warnings: Vec::new(),
+            });
+        };
+        let explicit: Vec<&str> = [
+            (!self.zmq.is_empty(), "--zmq"),
+            (!self.zmq_bind.is_empty(), "--zmq-bind"),
+            (!self.replay.is_empty(), "--replay"),
+            (self.topic.is_some(), "--topic"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+        if !explicit.is_empty() {
+            return Err(invalid(format!(
+                "--kv-events-config already gives every rank's endpoints and the topic: drop {} (or drop --kv-events-config)",
+                explicit.join(", ")
+            )));
+        }
+        let dp_size = self.data_parallel_size.unwrap_or(1);
+        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&dp_size) {
+            return Err(invalid(format!(
+                "--data-parallel-size {dp_size}: must be between 1 and {MAX_DATA_PARALLEL_SIZE}"
+            )));
+        }
+        let derived = kv_events::derive(kv_events_config, dp_size, self.engine)
+            .map_err(|e| invalid(format!("--kv-events-config: {e}")))?;
+        check_ranks(&derived.ranks)?;
         Ok(EngineConfig {
-            ranks,
-            topic: self.topic.unwrap_or_default(),
-            replay_timeout: Duration::from_millis(replay_timeout_ms),
+            ranks: derived.ranks,
+            topic: derived.topic,
+            replay_timeout,
+            warnings: derived
+                .ignored_keys
+                .iter()
+                .map(|k| {
+                    format!(
+                        "--kv-events-config: ignoring {k:?}, which no engine's KVEventsConfig has"
+                    )
+                })
+                .collect(),
         })
     }
 }
@@ -373,7 +461,7 @@ concern! {
     /// The ring: its file, size and numbering.
     #[command(next_help_heading = "Ring")]
     pub struct RingArgs {
-        /// Ring file [default: /dev/shm/kvbridge-{grpc port}].
+        /// Ring file [default: /dev/shm/kvbridge-{grpc port}, the port as bound].
         #[arg(long, value_name = "PATH")]
         pub shm: Option<PathBuf>,
         /// Ring data size, e.g. `64MiB`, `1048576` [default: 64MiB, minimum 1MiB].
@@ -392,7 +480,7 @@ concern! {
 }
 
 struct RingConfig {
-    shm: PathBuf,
+    shm: Option<PathBuf>,
     ring_size: u64,
     seq_base: Option<u64>,
     split_threshold: u64,
@@ -400,11 +488,7 @@ struct RingConfig {
 }
 
 impl RingArgs {
-    /// `grpc_port` names the default ring file.
-    fn validate(self, grpc_port: u16) -> Result<RingConfig, ConfigError> {
-        let shm = self
-            .shm
-            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{grpc_port}")));
+    fn validate(self) -> Result<RingConfig, ConfigError> {
         let ring_size = match &self.ring_size {
             Some(s) => s.bytes("ring-size")?,
             None => DEFAULT_RING_SIZE,
@@ -440,7 +524,7 @@ impl RingArgs {
             ));
         }
         Ok(RingConfig {
-            shm,
+            shm: self.shm,
             ring_size,
             seq_base: self.seq_base,
             split_threshold,
@@ -560,7 +644,8 @@ concern! {
     /// Operations: metrics, logs and health.
     #[command(next_help_heading = "Operations")]
     pub struct OpsArgs {
-        /// Prometheus listen address [default: 127.0.0.1:9464]; `off` disables it.
+        /// Prometheus listen address, or `off` [default: 127.0.0.1:{grpc port + 1000}, or port 0
+        /// when the gRPC port is 0].
         #[arg(long, value_name = "ADDR")]
         pub metrics: Option<String>,
         /// Log format [default: text].
@@ -580,15 +665,14 @@ struct OpsConfig {
 }
 
 impl OpsArgs {
-    fn validate(self) -> Result<OpsConfig, ConfigError> {
-        let metrics_text = self.metrics.unwrap_or_else(|| DEFAULT_METRICS.to_string());
-        let metrics = if metrics_text == METRICS_OFF {
-            None
-        } else {
-            Some(
-                parse_addr(&metrics_text)
-                    .map_err(|e| invalid(format!("--metrics {metrics_text:?}: {e}")))?,
-            )
+    /// `grpc` decides the default metrics address.
+    fn validate(self, grpc: SocketAddr) -> Result<OpsConfig, ConfigError> {
+        let metrics = match self.metrics.as_deref() {
+            None => Some(default_metrics_addr(grpc)),
+            Some(METRICS_OFF) => None,
+            Some(text) => {
+                Some(parse_addr(text).map_err(|e| invalid(format!("--metrics {text:?}: {e}")))?)
+            }
         };
         let health_grace_ms = self.health_grace_ms.unwrap_or(DEFAULT_HEALTH_GRACE_MS);
         if health_grace_ms > MAX_HEALTH_GRACE_MS {
@@ -613,8 +697,8 @@ pub struct ServeConfig {
     pub topic: String,
     /// gRPC listen address.
     pub grpc: SocketAddr,
-    /// Ring file.
-    pub shm: PathBuf,
+    /// Ring file given with `--shm`; see [`ServeConfig::ring_path`].
+    pub shm: Option<PathBuf>,
     /// Ring data size in bytes.
     pub ring_size: u64,
     /// First number of a brand-new ring.
@@ -633,6 +717,8 @@ pub struct ServeConfig {
     pub replay_timeout: Duration,
     /// Ring file mode 0640 instead of 0600.
     pub shm_group_read: bool,
+    /// Configuration problems that do not stop the bridge, logged once it starts.
+    pub warnings: Vec<String>,
     /// Prometheus address, `None` when disabled.
     pub metrics: Option<SocketAddr>,
     /// Log format.
@@ -645,6 +731,16 @@ pub struct ServeConfig {
     pub auth_token: Option<String>,
     /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
     pub max_streams_per_connection: Option<u32>,
+}
+
+impl ServeConfig {
+    /// The ring file: `--shm`, else `/dev/shm/kvbridge-<grpc_port>` where `grpc_port` is the
+    /// port gRPC is bound to (so that `--grpc …:0` still gives each bridge a ring of its own).
+    pub fn ring_path(&self, grpc_port: u16) -> PathBuf {
+        self.shm
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(format!("/dev/shm/kvbridge-{grpc_port}")))
+    }
 }
 
 /// PEM contents of `--tls-cert` and `--tls-key`.
@@ -722,7 +818,7 @@ fn build_ranks(
 ) -> Result<Vec<RankEndpoint>, ConfigError> {
     if zmq.is_empty() && zmq_bind.is_empty() {
         return Err(invalid(
-            "no engine endpoint: pass --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT",
+            "no engine endpoint: pass --kv-events-config with the engine's own JSON, or --zmq ENDPOINT (engine binds, the default tcp://*:5557) or --zmq-bind ENDPOINT",
         ));
     }
     let total = zmq.len() + zmq_bind.len();
@@ -755,9 +851,15 @@ fn build_ranks(
             replay,
         });
     }
-    // docs/engine-wire.md §2.2: replay = PUB + 1 collides with rank 1's PUB port.
-    for a in &ranks {
-        for b in &ranks {
+    check_ranks(&ranks)?;
+    Ok(ranks)
+}
+
+/// docs/engine-wire.md §2.2: no two ranks on one endpoint, and no replay endpoint that is a rank's
+/// event endpoint (replay = PUB + 1 collides with rank 1's PUB port).
+fn check_ranks(ranks: &[RankEndpoint]) -> Result<(), ConfigError> {
+    for a in ranks {
+        for b in ranks {
             if a.rank != b.rank && a.endpoint == b.endpoint {
                 return Err(invalid(format!(
                     "rank {} and rank {} use the same endpoint {}",
@@ -774,7 +876,7 @@ fn build_ranks(
             }
         }
     }
-    Ok(ranks)
+    Ok(())
 }
 
 /// Checks an endpoint's shape and, for a connecting socket, rewrites wildcard hosts to loopback
@@ -936,7 +1038,11 @@ mod tests {
     fn defaults_and_ranks() {
         let c = args(&["tcp://*:5557", "tcp://*:5558"]).resolve().unwrap();
         assert_eq!(c.grpc.to_string(), DEFAULT_GRPC);
-        assert_eq!(c.shm, PathBuf::from("/dev/shm/kvbridge-50061"));
+        assert_eq!(
+            c.ring_path(c.grpc.port()),
+            PathBuf::from("/dev/shm/kvbridge-50061")
+        );
+        assert_eq!(c.metrics, Some("127.0.0.1:51061".parse().unwrap()));
         assert_eq!(c.ring_size, 64 << 20);
         assert_eq!(c.ranks.len(), 2);
         assert_eq!(c.ranks[1].rank, 1);
@@ -1015,7 +1121,7 @@ mod tests {
             ("ring_size = \"2MiB\"\n", "ring_size"),
             ("config = \"other.toml\"\n", "config"),
             ("unknown = true\n", "unknown"),
-            ("[engine]\ntopic = \"kv\"\n", "engine"),
+            ("[ring]\nring-size = \"2MiB\"\n", "ring"),
         ] {
             let err = file(dir.path(), &format!("{base}{text}"))
                 .resolve()
@@ -1029,6 +1135,12 @@ mod tests {
             assert!(msg.ends_with("`health-grace-ms`"), "{msg}");
         }
     }
+
+    /// An engine configuration (no spaces: the rows split flags on whitespace).
+    const KV: &str = r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:6000"}"#;
+    /// One whose meaning depends on the engine (`0.0.0.0`).
+    const KV_ANY: &str =
+        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://0.0.0.0:6000"}"#;
 
     /// One row per setting: its flags, the same setting in TOML, and another TOML value for it.
     struct Row {
@@ -1079,6 +1191,21 @@ mod tests {
                 "--replay-timeout-ms 500",
                 "replay-timeout-ms = 500",
                 "replay-timeout-ms = 600",
+            ),
+            row(
+                &format!("--kv-events-config {KV}"),
+                &format!("kv-events-config = '{KV}'"),
+                &format!("kv-events-config = '{}'", KV.replace("6000", "7000")),
+            ),
+            row(
+                &format!("--kv-events-config {KV} --data-parallel-size 2"),
+                &format!("kv-events-config = '{KV}'\ndata-parallel-size = 2"),
+                &format!("kv-events-config = '{KV}'\ndata-parallel-size = 3"),
+            ),
+            row(
+                &format!("--kv-events-config {KV_ANY} --engine sglang"),
+                &format!("kv-events-config = '{KV_ANY}'\nengine = \"sglang\""),
+                &format!("kv-events-config = '{KV_ANY}'\nengine = \"vllm\""),
             ),
             // Ring.
             row(
@@ -1195,9 +1322,12 @@ mod tests {
         let default = show(&flags(&["--zmq", base_zmq]).resolve().unwrap());
         for row in &rows {
             let what = row.flags.join(" ");
-            // Every row needs a rank; the zmq row brings its own.
+            // Every row needs a rank; the zmq and kv-events-config rows bring their own.
             let (mut argv, mut base_toml) = (row.flags.clone(), String::new());
-            if !argv.iter().any(|f| f == "--zmq") {
+            if !argv
+                .iter()
+                .any(|f| f == "--zmq" || f == "--kv-events-config")
+            {
                 argv.extend(["--zmq".to_string(), base_zmq.to_string()]);
                 base_toml = format!("zmq = [{base_zmq:?}]\n");
             }
@@ -1219,6 +1349,127 @@ mod tests {
                 from_flags,
                 "{what}: file won"
             );
+        }
+    }
+
+    #[test]
+    fn metrics_default_follows_the_grpc_port() {
+        let metrics = |extra: &[&str]| {
+            let mut argv = vec!["--zmq", "tcp://*:5557"];
+            argv.extend(extra);
+            flags(&argv).resolve().unwrap().metrics
+        };
+        let at = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
+        assert_eq!(metrics(&[]), at("127.0.0.1:51061"));
+        assert_eq!(metrics(&["--grpc", "0.0.0.0:50062"]), at("127.0.0.1:51062"));
+        assert_eq!(
+            metrics(&["--grpc", "127.0.0.1:65000"]),
+            at("127.0.0.1:64000")
+        );
+        assert_eq!(
+            metrics(&["--grpc", "127.0.0.1:64535"]),
+            at("127.0.0.1:65535")
+        );
+        assert_eq!(metrics(&["--grpc", "127.0.0.1:0"]), at("127.0.0.1:0"));
+        assert_eq!(
+            metrics(&["--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:9464"]),
+            at("127.0.0.1:9464")
+        );
+        assert_eq!(metrics(&["--metrics", "off"]), None);
+        // The ring follows the gRPC port as bound.
+        let c = flags(&["--zmq", "tcp://*:5557", "--grpc", "127.0.0.1:0"])
+            .resolve()
+            .unwrap();
+        assert_eq!(c.ring_path(40001), PathBuf::from("/dev/shm/kvbridge-40001"));
+    }
+
+    #[test]
+    fn kv_events_config_derives_the_ranks() {
+        let c = flags(&[
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600", "topic": "kv"}"#,
+            "--data-parallel-size",
+            "2",
+        ])
+        .resolve()
+        .unwrap();
+        assert_eq!(
+            c.ranks,
+            [
+                RankEndpoint {
+                    rank: 0,
+                    endpoint: "tcp://127.0.0.1:5557".into(),
+                    bind: false,
+                    replay: Some("tcp://127.0.0.1:5600".into()),
+                },
+                RankEndpoint {
+                    rank: 1,
+                    endpoint: "tcp://127.0.0.1:5558".into(),
+                    bind: false,
+                    replay: Some("tcp://127.0.0.1:5601".into()),
+                },
+            ]
+        );
+        assert_eq!(c.topic, "kv");
+        assert!(c.warnings.is_empty());
+        let c = flags(&["--kv-events-config", r#"{"publisher": "zmq", "hwm2": 1}"#])
+            .resolve()
+            .unwrap();
+        assert_eq!(
+            c.warnings,
+            ["--kv-events-config: ignoring \"hwm2\", which no engine's KVEventsConfig has"]
+        );
+    }
+
+    #[test]
+    fn kv_events_config_excludes_explicit_endpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let kv = r#"{"publisher": "zmq"}"#;
+        for (extra, named) in [
+            (vec!["--zmq", "tcp://*:5557"], "drop --zmq (or"),
+            (
+                vec!["--zmq-bind", "tcp://127.0.0.1:5557"],
+                "drop --zmq-bind (or",
+            ),
+            (
+                vec!["--replay", "tcp://*:5558", "--topic", "kv"],
+                "drop --replay, --topic (or",
+            ),
+        ] {
+            let mut argv = vec!["--kv-events-config", kv];
+            argv.extend(&extra);
+            let e = flags(&argv).resolve().unwrap_err().to_string();
+            assert!(e.contains(named), "{extra:?}: {e}");
+        }
+        // A file's --zmq and a flag's --kv-events-config conflict as well.
+        let mut a = file(dir.path(), "zmq = [\"tcp://*:5557\"]\n");
+        a.engine.kv_events_config = Some(kv.into());
+        assert!(a.resolve().unwrap_err().to_string().contains("drop --zmq"));
+        for (argv, want) in [
+            (
+                vec!["--zmq", "tcp://*:5557", "--data-parallel-size", "2"],
+                "--data-parallel-size goes with --kv-events-config",
+            ),
+            (
+                vec!["--zmq", "tcp://*:5557", "--engine", "vllm"],
+                "--engine goes with --kv-events-config",
+            ),
+            (
+                vec!["--kv-events-config", kv, "--data-parallel-size", "0"],
+                "--data-parallel-size 0: must be between 1 and",
+            ),
+            (
+                vec![
+                    "--kv-events-config",
+                    r#"{"publisher": "zmq", "replay_endpoint": "tcp://*:5558"}"#,
+                    "--data-parallel-size",
+                    "2",
+                ],
+                "--kv-events-config: rank 0's replay port 5558 is rank 1's event port",
+            ),
+        ] {
+            let e = flags(&argv).resolve().unwrap_err().to_string();
+            assert!(e.starts_with(want), "{argv:?}: {e}");
         }
     }
 

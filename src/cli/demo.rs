@@ -85,6 +85,7 @@ pub(super) fn run(a: DemoArgs) -> Result<(), CliError> {
 }
 
 async fn demo(a: DemoArgs) -> Result<(), CliError> {
+    let mut signals = super::serve::StopSignals::install()?;
     let stop = Arc::new(AtomicBool::new(false));
     // Engines first: they bind, so their ports are known before the bridge connects.
     let ctx = zmq::Context::new();
@@ -240,7 +241,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = tokio::signal::ctrl_c() => break,
+            _ = signals.recv() => break,
             _ = fatal.changed() => break,
         }
         let pubd = published.load(Ordering::Relaxed);
@@ -300,12 +301,14 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
             break;
         }
     }
+    // The bridge first: engines that went away under a running bridge would be (rightly) logged
+    // as upstream disconnects, which a normal stop is not.
+    service.shutdown().await;
     stop.store(true, Ordering::SeqCst);
     for t in threads {
         let _ = t.join();
     }
     let failed = fatal.borrow().clone();
-    service.shutdown().await;
     let _ = std::fs::remove_file(&shm);
     let _ = std::fs::remove_file(kvbridge_shm::wake_path(&shm));
     if let Some(why) = failed {

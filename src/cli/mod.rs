@@ -90,15 +90,41 @@ fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
         .map_err(|e| CliError::Setup(format!("cannot start the async runtime: {e}")))
 }
 
-/// Logs go to stderr; `RUST_LOG` overrides the default level (info).
+/// Logs go to stderr; `RUST_LOG` overrides the default level (info). Colour only when stderr is a
+/// terminal and `NO_COLOR` is unset or empty (<https://no-color.org>), so that files, pipes and
+/// journald get plain text.
 fn init_tracing(format: crate::config::LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = log_colour(
+        std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let _ = match format {
         crate::config::LogFormat::Text => b.try_init(),
         crate::config::LogFormat::Json => b.json().try_init(),
     };
+}
+
+/// Whether logs are coloured: on a terminal, unless `NO_COLOR` has a non-empty value.
+fn log_colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_colour;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(log_colour(true, None));
+        assert!(log_colour(true, Some(OsStr::new(""))));
+        assert!(!log_colour(true, Some(OsStr::new("1"))));
+        assert!(!log_colour(false, None));
+    }
 }

@@ -20,10 +20,12 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
     super::init_tracing(cfg.log_format);
     let rt = super::runtime()?;
     rt.block_on(async move {
+        // Before anything starts: a SIGTERM during start-up still means a clean stop.
+        let mut stop = StopSignals::install()?;
         let handle = run_service(&cfg).await?;
         let mut fatal = handle.failure();
         let failed = tokio::select! {
-            _ = wait_for_signal() => None,
+            _ = stop.recv() => None,
             f = fatal.wait_for(Option::is_some) => Some(match f {
                 Ok(f) => f.clone().unwrap_or_default(),
                 Err(_) => "the ring heartbeat thread ended unexpectedly".to_string(),
@@ -43,12 +45,32 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
     })
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+/// SIGTERM and SIGINT (Ctrl-C), caught from the moment they are installed.
+pub(super) struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Installs the handlers (needs a running tokio runtime).
+    pub(super) fn install() -> Result<Self, CliError> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let install = |kind| {
+            signal(kind)
+                .map_err(|e| CliError::Setup(format!("cannot install a signal handler: {e}")))
+        };
+        Ok(StopSignals {
+            term: install(SignalKind::terminate())?,
+            int: install(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Waits for either signal.
+    pub(super) async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
     }
 }
 
@@ -123,6 +145,9 @@ impl ServiceHandle {
 /// Every set-up failure (occupied port, unusable ring path, bad endpoint) is a `Setup` error.
 pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     let setup = CliError::Setup;
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
     // Bind first: an occupied port should fail before a ring is touched.
     let listener = tokio::net::TcpListener::bind(cfg.grpc)
         .await
@@ -138,19 +163,21 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     };
     let metrics_addr = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
     let metrics = Arc::new(Metrics::new());
+    // Derived from the port actually bound, so that `--grpc …:0` gets a ring of its own too.
+    let shm = cfg.ring_path(grpc_addr.port());
 
     let opts = WriterOptions {
         capacity: cfg.ring_size as usize,
         seq_base: cfg.seq_base,
         group_read: cfg.shm_group_read,
     };
-    let (merged, recovered) = RingHub::open("merged", &cfg.shm, &opts, &metrics)
-        .map_err(|e| setup(format!("--shm: {e}")))?;
-    tracing::info!(path = %cfg.shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
+    let (merged, recovered) =
+        RingHub::open("merged", &shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
+    tracing::info!(path = %shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
-            let path = rank_ring_path(&cfg.shm, r.rank);
+            let path = rank_ring_path(&shm, r.rank);
             let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
                 .map_err(|e| setup(format!("--shm: {e}")))?;
             rank_hubs.push(hub);
@@ -226,8 +253,10 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
             }
         })
     };
-    tracing::info!(%grpc_addr, metrics = ?metrics_addr, ranks = cfg.ranks.len(), tls = cfg.tls.is_some(),
-        auth = cfg.auth_token.is_some(), "serving SubscribeKvEvents");
+    let metrics_url =
+        metrics_addr.map_or_else(|| "off".to_string(), |a| format!("http://{a}/metrics"));
+    tracing::info!(%grpc_addr, metrics = %metrics_url, ring = %shm.display(), ranks = cfg.ranks.len(),
+        tls = cfg.tls.is_some(), auth = cfg.auth_token.is_some(), "serving SubscribeKvEvents");
     Ok(ServiceHandle {
         grpc_addr,
         metrics_addr,

@@ -211,7 +211,12 @@ impl RankWorker {
                     self.io.m.disconnects.inc();
                     let n = self.upstream.on_disconnect(rank);
                     self.io.m.connected.set(n);
-                    tracing::warn!(rank, %endpoint, connections = n, "engine publisher disconnected");
+                    if self.io.stop.load(Ordering::Relaxed) {
+                        // Our own shutdown closing the connection is not an upstream problem.
+                        tracing::debug!(rank, %endpoint, connections = n, "engine publisher disconnected");
+                    } else {
+                        tracing::warn!(rank, %endpoint, connections = n, "engine publisher disconnected");
+                    }
                 }
                 other => {
                     tracing::debug!(rank, %endpoint, event = ?other, "socket event");

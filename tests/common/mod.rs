@@ -315,15 +315,25 @@ impl Engine {
     /// A simulated engine bound at the given endpoints (e.g. to come back on the same port
     /// after a previous one at `endpoint` was dropped).
     pub fn start_at(endpoint: &str, replay: &str) -> Engine {
+        Engine::try_start_at(endpoint, replay).expect("bind engine sockets")
+    }
+
+    /// Like [`Engine::start_at`], but an endpoint that cannot be bound (say, a port taken
+    /// meanwhile) is an error for the caller to handle.
+    pub fn try_start_at(endpoint: &str, replay: &str) -> Result<Engine, zmq::Error> {
         let (endpoint, replay) = (endpoint.to_string(), replay.to_string());
         let (tx, rx) = mpsc::channel::<Job>();
         let (ep, rp) = (endpoint.clone(), replay.clone());
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = std::thread::spawn(move || {
             let ctx = zmq::Context::new();
-            let mut p =
-                EnginePublisher::bind(&ctx, &ep, Some(&rp), "").expect("bind engine sockets");
-            ready_tx.send(()).unwrap();
+            let mut p = match EnginePublisher::bind(&ctx, &ep, Some(&rp), "") {
+                Ok(p) => {
+                    ready_tx.send(Ok(())).unwrap();
+                    p
+                }
+                Err(e) => return ready_tx.send(Err(e)).unwrap(),
+            };
             loop {
                 match rx.recv_timeout(Duration::from_millis(1)) {
                     Ok(job) => job(&mut p),
@@ -333,13 +343,13 @@ impl Engine {
                 p.serve_replay();
             }
         });
-        ready_rx.recv().unwrap();
-        Engine {
+        ready_rx.recv().unwrap()?;
+        Ok(Engine {
             tx,
             endpoint,
             replay,
             thread: Some(thread),
-        }
+        })
     }
 }
 
