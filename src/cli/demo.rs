@@ -89,25 +89,14 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     let stop = Arc::new(AtomicBool::new(false));
     // Engines first: they bind, so their ports are known before the bridge connects.
     let ctx = zmq::Context::new();
-    let mut engines = Vec::new();
-    let mut zmq_eps = Vec::new();
-    let mut replay_eps = Vec::new();
-    for r in 0..a.ranks {
-        let p = EnginePublisher::bind(&ctx, "tcp://127.0.0.1:*", Some("tcp://127.0.0.1:*"), "")
-            .map_err(|e| CliError::Setup(format!("cannot bind the demo engine: {e}")))?;
-        zmq_eps.push(p.endpoint());
-        replay_eps.push(p.replay_endpoint().unwrap_or_default());
-        engines.push((r, p));
-    }
-    let shm = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
-    let shm = if std::path::Path::new("/dev/shm").is_dir() {
-        std::path::PathBuf::from(format!("/dev/shm/kvbridge-demo-{}", std::process::id()))
-    } else {
-        shm
-    };
+    let engines = bind_engines(&ctx, a.ranks)?;
+    let shm = demo_ring_path();
     let mut args = ServeArgs::default();
-    args.engine.zmq = zmq_eps;
-    args.engine.replay = replay_eps;
+    args.engine.zmq = engines.iter().map(|(_, p)| p.endpoint()).collect();
+    args.engine.replay = engines
+        .iter()
+        .map(|(_, p)| p.replay_endpoint().unwrap_or_default())
+        .collect();
     args.streaming.grpc = Some(a.grpc.clone());
     args.ring.shm = Some(shm.clone());
     args.ring.ring_size = Some(ByteSize::Bytes(64 << 20));
@@ -119,108 +108,29 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     // Engine threads: paced by the clock, one batch per tick, answering replay requests.
     let published = Arc::new(AtomicU64::new(0));
     let mut threads = Vec::new();
-    for (rank, mut p) in engines {
-        let (stop, published, rate) = (stop.clone(), published.clone(), a.rate);
-        threads.push(std::thread::spawn(move || {
-            let mut w = Workload::new(0xC0FFEE + rank as u64);
-            let period = Duration::from_nanos(1_000_000_000 / rate);
-            let start = Instant::now();
-            let mut i: u64 = 0;
-            while !stop.load(Ordering::Relaxed) {
-                let due = start + period * (i as u32);
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
-                let layout = Layout::ALL[(i as usize + rank as usize) % Layout::ALL.len()];
-                let events = w.next_batch();
-                p.publish(encode_batch(layout, now_secs(), &events, rank));
-                p.serve_replay();
-                published.fetch_add(1, Ordering::Relaxed);
-                i += 1;
-            }
-        }));
+    for (rank, p) in engines {
+        threads.push(spawn_engine(
+            rank,
+            p,
+            stop.clone(),
+            published.clone(),
+            a.rate,
+        ));
     }
 
     // gRPC subscribers measure from the engine's timestamp.
     let grpc_lane = Lane::new();
     for _ in 0..a.subscribers {
-        let lane = grpc_lane.clone();
-        let url = format!("http://{grpc}");
-        tokio::spawn(async move {
-            let Ok(mut c) =
-                crate::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(
-                    url,
-                )
-                .await
-            else {
-                return;
-            };
-            let mut cursor = 0;
-            loop {
-                let req = SubscribeKvEventsRequest {
-                    start_sequence_number: cursor,
-                    load_records_before_first_batch: false,
-                };
-                let Ok(resp) = c.subscribe_kv_events(req).await else {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                };
-                let mut s = resp.into_inner();
-                loop {
-                    match s.message().await {
-                        Ok(Some(b)) => {
-                            cursor = b.sequence_number;
-                            lane.record(((now_secs() - b.timestamp).max(0.0) * 1e6) as u64);
-                        }
-                        Ok(None) => return,
-                        Err(st) => {
-                            if st.code() == tonic::Code::DataLoss
-                                || st.code() == tonic::Code::OutOfRange
-                            {
-                                lane.losses.fetch_add(1, Ordering::Relaxed);
-                                cursor = 0;
-                            } else {
-                                // Transient (e.g. shutdown): back off, resume with the cursor.
-                                tokio::time::sleep(Duration::from_millis(200)).await;
-                            }
-                            break;
-                        }
-                    }
-                }
-            }
-        });
+        tokio::spawn(grpc_subscriber(grpc_lane.clone(), format!("http://{grpc}")));
     }
 
     // One shared-memory reader, in a thread of its own, measures from the ingest time.
     let shm_lane = Lane::new();
-    {
-        let (lane, stop, hub) = (shm_lane.clone(), stop.clone(), service.merged.clone());
-        let mut reader = hub.reader();
-        threads.push(std::thread::spawn(move || {
-            use kvbridge_shm::ReadOutcome;
-            let _ = reader.seek(reader.newest() + 1);
-            // A ring that became unusable (truncated) must not be read any more.
-            while !stop.load(Ordering::Relaxed) && hub.failure().is_none() {
-                match reader.next_blocking(Duration::from_millis(100)) {
-                    ReadOutcome::Record(v) => {
-                        let ingest = v.meta().ingest_ns;
-                        // SAFETY: zero-copy read under the torn-read contract: prost parses
-                        // untrusted bytes defensively, and `is_intact` is checked after it.
-                        let ok =
-                            KvEventBatch::decode(unsafe { v.payload() }).is_ok() && v.is_intact();
-                        if ok {
-                            lane.record(crate::clock::unix_nanos().saturating_sub(ingest) / 1000);
-                        }
-                    }
-                    ReadOutcome::Lapped { .. } | ReadOutcome::Corrupt { .. } => {
-                        lane.losses.fetch_add(1, Ordering::Relaxed);
-                    }
-                    _ => {}
-                }
-            }
-        }));
-    }
+    threads.push(spawn_shm_reader(
+        shm_lane.clone(),
+        stop.clone(),
+        service.merged.clone(),
+    ));
 
     println!(
         "kvbridge demo: {} engine rank(s) at {} batches/s each → ring {} → gRPC {grpc}",
@@ -249,20 +159,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         let (o, n) = service.merged.window();
         let (gp50, gp99, gn) = grpc_lane.take();
         let (sp50, sp99, sn) = shm_lane.take();
-        let frames_dropped: u64 = (0..a.ranks)
-            .map(|r| {
-                ["frame_count", "seq_length", "topic", "empty_payload"]
-                    .iter()
-                    .map(|k| {
-                        service
-                            .metrics
-                            .frames_dropped
-                            .with_label_values(&[r.to_string().as_str(), *k])
-                            .get()
-                    })
-                    .sum::<u64>()
-            })
-            .sum();
+        let frames_dropped = frames_dropped(&service.metrics, a.ranks);
         let screen = format!(
             "kvbridge demo — {:>4}s\n\
              engine in     {:>8} batches/s   ({} ranks)\n\
@@ -316,4 +213,144 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     }
     println!("demo stopped cleanly");
     Ok(())
+}
+
+/// One simulated engine per rank, bound on loopback with a replay ROUTER.
+fn bind_engines(ctx: &zmq::Context, ranks: u32) -> Result<Vec<(u32, EnginePublisher)>, CliError> {
+    (0..ranks)
+        .map(|r| {
+            EnginePublisher::bind(ctx, "tcp://127.0.0.1:*", Some("tcp://127.0.0.1:*"), "")
+                .map(|p| (r, p))
+                .map_err(|e| CliError::Setup(format!("cannot bind the demo engine: {e}")))
+        })
+        .collect()
+}
+
+/// The demo's own ring: in /dev/shm when there is one, else the temp dir.
+fn demo_ring_path() -> std::path::PathBuf {
+    let name = format!("kvbridge-demo-{}", std::process::id());
+    if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::Path::new("/dev/shm").join(name)
+    } else {
+        std::env::temp_dir().join(name)
+    }
+}
+
+/// An engine thread: paced by the clock, one batch per tick (rotating release layouts),
+/// answering replay requests, until `stop`.
+fn spawn_engine(
+    rank: u32,
+    mut p: EnginePublisher,
+    stop: Arc<AtomicBool>,
+    published: Arc<AtomicU64>,
+    rate: u64,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut w = Workload::new(0xC0FFEE + rank as u64);
+        let period = Duration::from_nanos(1_000_000_000 / rate);
+        let start = Instant::now();
+        let mut i: u64 = 0;
+        while !stop.load(Ordering::Relaxed) {
+            let due = start + period * (i as u32);
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            let layout = Layout::ALL[(i as usize + rank as usize) % Layout::ALL.len()];
+            let events = w.next_batch();
+            p.publish(encode_batch(layout, now_secs(), &events, rank));
+            p.serve_replay();
+            published.fetch_add(1, Ordering::Relaxed);
+            i += 1;
+        }
+    })
+}
+
+/// A gRPC subscriber measuring from the engine's timestamp; it resumes with its cursor after a
+/// transient error and starts over (counted as a loss) after `DATA_LOSS` / `OUT_OF_RANGE`.
+async fn grpc_subscriber(lane: Arc<Lane>, url: String) {
+    let Ok(mut c) =
+        crate::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(url).await
+    else {
+        return;
+    };
+    let mut cursor = 0;
+    loop {
+        let req = SubscribeKvEventsRequest {
+            start_sequence_number: cursor,
+            load_records_before_first_batch: false,
+        };
+        let Ok(resp) = c.subscribe_kv_events(req).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let mut s = resp.into_inner();
+        loop {
+            match s.message().await {
+                Ok(Some(b)) => {
+                    cursor = b.sequence_number;
+                    lane.record(((now_secs() - b.timestamp).max(0.0) * 1e6) as u64);
+                }
+                Ok(None) => return,
+                Err(st) => {
+                    if st.code() == tonic::Code::DataLoss || st.code() == tonic::Code::OutOfRange {
+                        lane.losses.fetch_add(1, Ordering::Relaxed);
+                        cursor = 0;
+                    } else {
+                        // Transient (e.g. shutdown): back off, resume with the cursor.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// One shared-memory reader, in a thread of its own, measuring from the ingest time.
+fn spawn_shm_reader(
+    lane: Arc<Lane>,
+    stop: Arc<AtomicBool>,
+    hub: Arc<crate::ring::RingHub>,
+) -> std::thread::JoinHandle<()> {
+    let mut reader = hub.reader();
+    std::thread::spawn(move || {
+        use kvbridge_shm::ReadOutcome;
+        let _ = reader.seek(reader.newest() + 1);
+        // A ring that became unusable (truncated) must not be read any more.
+        while !stop.load(Ordering::Relaxed) && hub.failure().is_none() {
+            match reader.next_blocking(Duration::from_millis(100)) {
+                ReadOutcome::Record(v) => {
+                    let ingest = v.meta().ingest_ns;
+                    // SAFETY: zero-copy read under the torn-read contract: prost parses
+                    // untrusted bytes defensively, and `is_intact` is checked after it.
+                    let ok = KvEventBatch::decode(unsafe { v.payload() }).is_ok() && v.is_intact();
+                    if ok {
+                        lane.record(crate::clock::unix_nanos().saturating_sub(ingest) / 1000);
+                    }
+                }
+                ReadOutcome::Lapped { .. } | ReadOutcome::Corrupt { .. } => {
+                    lane.losses.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+        }
+    })
+}
+
+/// Engine messages dropped before decoding, over every rank.
+fn frames_dropped(metrics: &crate::metrics::Metrics, ranks: u32) -> u64 {
+    (0..ranks)
+        .map(|r| {
+            ["frame_count", "seq_length", "topic", "empty_payload"]
+                .iter()
+                .map(|k| {
+                    metrics
+                        .frames_dropped
+                        .with_label_values(&[r.to_string().as_str(), *k])
+                        .get()
+                })
+                .sum::<u64>()
+        })
+        .sum()
 }
