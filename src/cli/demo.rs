@@ -104,6 +104,14 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     } else {
         shm
     };
+    // The demo's ring is its own: removed (with its wake file) however the demo ends.
+    struct RemoveRing(std::path::PathBuf);
+    impl Drop for RemoveRing {
+        fn drop(&mut self) {
+            let _ = kvbridge_shm::remove_ring(&self.0);
+        }
+    }
+    let _remove_ring = RemoveRing(shm.clone());
     let mut args = ServeArgs::default();
     args.engine.zmq = zmq_eps;
     args.engine.replay = replay_eps;
@@ -306,8 +314,6 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     }
     let failed = fatal.borrow().clone();
     service.shutdown().await;
-    let _ = std::fs::remove_file(&shm);
-    let _ = std::fs::remove_file(kvbridge_shm::wake_path(&shm));
     if let Some(why) = failed {
         return Err(CliError::Failed(why));
     }
