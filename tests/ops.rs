@@ -1152,10 +1152,16 @@ fn a_ring_truncated_under_the_bridge_stops_it_cleanly() {
 #[test]
 fn a_failed_start_leaves_no_ring_or_wake_file() {
     let dir = tempfile::tempdir().unwrap();
-    let cert = dir.path().join("c.pem");
+    // PEM files of the right kinds (so that configuration accepts them) that TLS cannot use.
+    let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
     std::fs::write(
         &cert,
         "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &key,
+        "-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n",
     )
     .unwrap();
     let ring = dir.path().join("ring");
@@ -1169,7 +1175,7 @@ fn a_failed_start_leaves_no_ring_or_wake_file() {
         ])
         .args(["--metrics", "off", "--shm", &ring.display().to_string()])
         .args(["--tls-cert", &cert.display().to_string()])
-        .args(["--tls-key", &cert.display().to_string()])
+        .args(["--tls-key", &key.display().to_string()])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
