@@ -1061,6 +1061,32 @@ async fn a_corrupt_record_in_the_ring_is_data_loss_not_served() {
         })
         .collect();
     assert_eq!(seqs, (1..=9).chain(11..=12).collect::<Vec<_>>());
+
+    // Restarted, the bridge adopts the ring, finds the damaged record while recovering (WARN)
+    // and still starts fresh subscribers after it.
+    let bridge = bridge.restart(dir.path());
+    // The text log colours field names: drop the escape sequences before matching.
+    let log: String = bridge
+        .log()
+        .split('\x1b')
+        .enumerate()
+        .map(|(i, part)| {
+            if i == 0 {
+                part
+            } else {
+                part.split_once('m').map_or(part, |(_, rest)| rest)
+            }
+        })
+        .collect();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("fail their checksum")
+            && l.contains("last_corrupt_seq=10")),
+        "{log}"
+    );
+    let mut fresh = subscribe(&bridge.url(), 0).await.unwrap();
+    let got = collect_until(&mut fresh, T, |b| !b.is_empty()).await;
+    assert_eq!(got[0].sequence_number, 11);
     assert!(bridge.stop().success());
 }
 
