@@ -889,9 +889,21 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
             "--health-grace-ms",
         ),
     ];
+    // Its own ring path, port and no metrics port: nothing of a failed start lands in /dev/shm
+    // (and nothing else on the machine can make it fail for another reason).
+    let ring = dir.path().join("ring").display().to_string();
+    let isolated = [
+        "--grpc",
+        "127.0.0.1:0",
+        "--metrics",
+        "off",
+        "--shm",
+        ring.as_str(),
+    ];
     for (extra, needle) in cases {
         let out = std::process::Command::new(bin())
             .args(["serve", "--zmq", "tcp://*:5557"])
+            .args(isolated)
             .args(&extra)
             .env_remove("KVBRIDGE_AUTH_TOKEN")
             .output()
@@ -903,12 +915,14 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
     }
     let out = std::process::Command::new(bin())
         .args(["serve", "--config", &toml.display().to_string()])
+        .args(isolated)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-streams-per-connection"));
     let out = std::process::Command::new(bin())
         .args(["serve", "--zmq", "tcp://*:5557"])
+        .args(isolated)
         .env("KVBRIDGE_AUTH_TOKEN", "has space")
         .output()
         .unwrap();
@@ -1047,6 +1061,32 @@ async fn a_corrupt_record_in_the_ring_is_data_loss_not_served() {
         })
         .collect();
     assert_eq!(seqs, (1..=9).chain(11..=12).collect::<Vec<_>>());
+
+    // Restarted, the bridge adopts the ring, finds the damaged record while recovering (WARN)
+    // and still starts fresh subscribers after it.
+    let bridge = bridge.restart(dir.path());
+    // The text log colours field names: drop the escape sequences before matching.
+    let log: String = bridge
+        .log()
+        .split('\x1b')
+        .enumerate()
+        .map(|(i, part)| {
+            if i == 0 {
+                part
+            } else {
+                part.split_once('m').map_or(part, |(_, rest)| rest)
+            }
+        })
+        .collect();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("fail their checksum")
+            && l.contains("last_corrupt_seq=10")),
+        "{log}"
+    );
+    let mut fresh = subscribe(&bridge.url(), 0).await.unwrap();
+    let got = collect_until(&mut fresh, T, |b| !b.is_empty()).await;
+    assert_eq!(got[0].sequence_number, 11);
     assert!(bridge.stop().success());
 }
 
@@ -1131,4 +1171,107 @@ fn a_ring_truncated_under_the_bridge_stops_it_cleanly() {
             .any(|l| l.contains("ERROR") && l.contains("truncated to 0 bytes")),
         "{log}"
     );
+}
+
+/// A start that fails after creating its ring (here: an unusable TLS certificate, checked after
+/// the rings are opened) removes that ring and its wake file again.
+#[test]
+fn a_failed_start_leaves_no_ring_or_wake_file() {
+    let dir = tempfile::tempdir().unwrap();
+    // PEM files of the right kinds (so that configuration accepts them) that TLS cannot use.
+    let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &key,
+        "-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let ring = dir.path().join("ring");
+    let out = std::process::Command::new(bin())
+        .args([
+            "serve",
+            "--zmq",
+            "tcp://127.0.0.1:5999",
+            "--grpc",
+            "127.0.0.1:0",
+        ])
+        .args(["--metrics", "off", "--shm", &ring.display().to_string()])
+        .args(["--tls-cert", &cert.display().to_string()])
+        .args(["--tls-key", &key.display().to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--tls-key"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("ring"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// At start-up the bridge removes leftovers of its own rings — a wake file whose ring is gone
+/// (also of a rank ring of an earlier run), a ring a crashed writer was still creating — and
+/// nothing else.
+#[test]
+fn serve_start_up_removes_stale_ring_files_it_owns() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let stale = [
+        "ring.wake",
+        "ring-rank3.wake",
+        "ring.tmp.2147483646.ab12",
+        "ring-rank1.tmp.2147483646.cd34",
+    ];
+    for f in stale.iter().chain(&["other.wake", "ring-old.wake"]) {
+        std::fs::write(dir.path().join(f), b"x").unwrap();
+    }
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--ring-size"), s("1MiB")]);
+    let bridge = Bridge::start(dir.path(), &ring, &args);
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".log"))
+        .collect();
+    names.sort();
+    // `ring.wake` is there again: the new ring's own.
+    assert_eq!(names, ["other.wake", "ring", "ring-old.wake", "ring.wake"]);
+    let log = bridge.log();
+    for f in &stale[1..] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("removed a stale ring file") && l.contains(f)),
+            "{f}: {log}"
+        );
+    }
+    assert!(bridge.stop().success());
+}
+
+/// `kvbridge demo` runs its whole path on a ring in /dev/shm and leaves neither the ring nor
+/// its wake file behind.
+#[test]
+fn the_demo_leaves_no_ring_or_wake_file() {
+    let out = std::process::Command::new(bin())
+        .args(["demo", "--duration", "1", "--rate", "50", "--ranks", "1"])
+        .args(["--subscribers", "1"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let ring = stdout
+        .split_whitespace()
+        .find(|w| w.contains("kvbridge-demo-"))
+        .expect("the demo names its ring");
+    assert!(!std::path::Path::new(ring).exists(), "{ring} left behind");
+    let wake = format!("{ring}.wake");
+    assert!(!std::path::Path::new(&wake).exists(), "{wake} left behind");
 }

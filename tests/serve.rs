@@ -448,7 +448,19 @@ fn setup_errors_are_one_line_and_exit_2() {
     };
     let (code, err) = run(&["serve", "--bogus"]);
     assert_eq!(code, Some(2), "{err}");
-    let (code, err) = run(&["serve", "--zmq", "udp://x:1", "--metrics", "off"]);
+    let ring = tempfile::tempdir().unwrap();
+    let shm = ring.path().join("ring").display().to_string();
+    let (code, err) = run(&[
+        "serve",
+        "--zmq",
+        "udp://x:1",
+        "--metrics",
+        "off",
+        "--grpc",
+        "127.0.0.1:0",
+        "--shm",
+        &shm,
+    ]);
     assert_eq!(code, Some(2));
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("--zmq"), "{err}");

@@ -85,7 +85,9 @@
 //!   checksum is the one `LAYOUT.md` specifies; the writer laps past a
 //!   damaged header with a sane window; a file replaced at open says why
 //!   ([`Replaced`]); a file truncated under the writer is found by
-//!   [`RingWriter::check`] and nothing touches the mapping afterwards.
+//!   [`RingWriter::check`] and nothing touches the mapping afterwards;
+//!   [`remove_ring`] takes the `.wake` file along and [`remove_stale_files`]
+//!   removes leftovers but nothing in use.
 //! * `benches/append.rs` (criterion, vs memcpy) and `benches/latency.rs`
 //!   (cross-process, HdrHistogram, busy-poll and futex readers).
 
@@ -123,4 +125,7 @@ pub use error::{SeekError, ShmError};
 #[cfg(not(loom))]
 pub use reader::{ReadOutcome, RecordView, RingReader};
 #[cfg(not(loom))]
-pub use writer::{wake_path, Replaced, Reservation, RingWriter, WriterOptions};
+pub use writer::{
+    remove_ring, remove_stale_files, wake_path, Replaced, Reservation, RingWriter, StaleFile,
+    WriterOptions,
+};

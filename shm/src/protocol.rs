@@ -242,7 +242,8 @@ impl<'a> Ring<'a> {
             .store(meta.dp_rank as u64 | ((meta.flags as u64) << 32), Relaxed);
         self.word(slot.start + 32).store(meta.ingest_ns, Relaxed);
         // crc u32 | reserved u32 (0).
-        self.word(slot.start + 40).store(crc as u64, Relaxed);
+        self.word(slot.start + REC_OFF_CRC as u64)
+            .store(crc as u64, Relaxed);
         self.index_slot(slot.seq).store(slot.start, Relaxed);
         self.tail.store(slot.end, Release);
         self.newest.store(slot.seq, Release);
@@ -271,7 +272,7 @@ impl<'a> Ring<'a> {
             let up = self.word(pos + 16).load(Relaxed);
             let w3 = self.word(pos + 24).load(Relaxed);
             let ts = self.word(pos + 32).load(Relaxed);
-            crc = self.word(pos + 40).load(Relaxed) as u32;
+            crc = self.word(pos + REC_OFF_CRC as u64).load(Relaxed) as u32;
             len = (w1 as u32) as usize;
             let size = record_size(len);
             ok = seq == want

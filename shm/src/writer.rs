@@ -92,6 +92,93 @@ impl std::fmt::Display for Replaced {
     }
 }
 
+/// Remove a ring file together with its wake side file ([`wake_path`]). Either
+/// may be missing already. Processes that still have them mapped keep their
+/// (now unlinked) files; readers find the path gone and report `WriterGone`.
+/// Call it after the ring's writer is closed.
+pub fn remove_ring(path: &Path) -> io::Result<()> {
+    let gone = |r: io::Result<()>| match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    };
+    let ring = gone(std::fs::remove_file(path));
+    let wake = gone(std::fs::remove_file(wake_path(path)));
+    ring.and(wake)
+}
+
+/// A file [`remove_stale_files`] removed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleFile {
+    /// The file removed.
+    pub path: PathBuf,
+    /// Why it was stale.
+    pub reason: &'static str,
+}
+
+/// Remove leftovers that belong to the ring at `path` but that nothing uses
+/// any more:
+///
+/// * `<path>.wake` when `<path>` itself does not exist (the ring was removed
+///   and its wake file left behind);
+/// * `<path>.tmp.<pid>.<id>`, a ring that a writer died while creating
+///   ([`RingWriter::open`] builds a new file under that name), when no process
+///   holds its lock and process `<pid>` is not alive (or is this process).
+///
+/// Call it before this process opens the ring: a file this process is
+/// creating at the same moment could be taken for a leftover. Errors reading
+/// the directory are returned; a file that cannot be examined is left alone.
+pub fn remove_stale_files(path: &Path) -> io::Result<Vec<StaleFile>> {
+    let mut removed = Vec::new();
+    let wake = wake_path(path);
+    if !path.exists() && wake.exists() && std::fs::remove_file(&wake).is_ok() {
+        removed.push(StaleFile {
+            path: wake,
+            reason: "its ring file is gone",
+        });
+    }
+    let (Some(name), dir) = (path.file_name(), path.parent()) else {
+        return Ok(removed);
+    };
+    let dir = match dir {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut prefix = name.to_owned();
+    prefix.push(".tmp.");
+    let prefix = prefix.as_encoded_bytes().to_vec();
+    for entry in std::fs::read_dir(dir)? {
+        let Ok(entry) = entry else { continue };
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.as_encoded_bytes().strip_prefix(prefix.as_slice()) else {
+            continue;
+        };
+        // <pid>.<hex ring id>
+        let Some(pid) = std::str::from_utf8(rest)
+            .ok()
+            .and_then(|r| r.split_once('.'))
+            .filter(|(_, id)| !id.is_empty() && id.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && sys::pid_exists(pid) != Some(false) {
+            continue; // its creator may still be at work
+        }
+        let tmp = entry.path();
+        let Ok(f) = OpenOptions::new().read(true).write(true).open(&tmp) else {
+            continue;
+        };
+        // A creator holds the lock from right after creating the file until it is in place.
+        if sys::try_lock_exclusive(&f).unwrap_or(false) && std::fs::remove_file(&tmp).is_ok() {
+            removed.push(StaleFile {
+                path: tmp,
+                reason: "a writer died while creating this ring",
+            });
+        }
+    }
+    Ok(removed)
+}
+
 /// The one writer of a ring file. Holds an exclusive `flock` on the file for
 /// its whole life; the kernel releases it when the process dies.
 pub struct RingWriter {

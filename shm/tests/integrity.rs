@@ -261,3 +261,93 @@ fn truncation_under_the_writer_is_detected_by_check() {
     assert!(matches!(w.heartbeat(), Err(ShmError::Truncated { .. })));
     drop(w);
 }
+
+fn names_in(d: &tempfile::TempDir) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Writer, reader (which counts itself in the wake file while it sleeps), close, remove: nothing
+/// of the ring is left, its wake file included.
+#[test]
+fn remove_ring_takes_the_wake_file_along() {
+    let d = tmpdir();
+    let p = ring_path(&d);
+    let mut w = RingWriter::open(&p, &opts(1)).unwrap();
+    let mut r = RingReader::open(&p).unwrap();
+    write(&mut w, 10);
+    assert_eq!(read_ok(&mut r), 1);
+    assert!(matches!(
+        r.next_blocking(std::time::Duration::from_millis(5)),
+        ReadOutcome::Empty
+    ));
+    assert_eq!(names_in(&d), ["test.ring", "test.ring.wake"]);
+    drop(w);
+    remove_ring(&p).unwrap();
+    assert!(names_in(&d).is_empty(), "{:?}", names_in(&d));
+    assert!(matches!(r.next(), ReadOutcome::WriterGone));
+    remove_ring(&p).unwrap(); // already gone: fine
+}
+
+/// Leftovers are removed — a wake file whose ring is gone, a half-created ring whose creator
+/// died — and nothing in use: a wake file beside its ring, a temporary file a live creator
+/// holds locked, other files.
+#[test]
+fn stale_wake_and_tmp_files_are_removed() {
+    let d = tmpdir();
+    let p = ring_path(&d);
+    let touch = |name: &str| std::fs::write(d.path().join(name), b"x").unwrap();
+    // The ring was removed, its wake file stayed; a writer (pid beyond any pid_max) died while
+    // creating it; another file merely shares the prefix.
+    touch("test.ring.wake");
+    touch("test.ring.tmp.2147483646.1f2e3d");
+    touch("test.ring.tmp.notapid.1f2e3d");
+    touch("test.ring2.wake");
+    // A creator at work: its file is locked (this process, for the test, is the creator).
+    let busy = d
+        .path()
+        .join(format!("test.ring.tmp.{}.abc", std::process::id()));
+    std::fs::write(&busy, b"x").unwrap();
+    let held = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&busy)
+        .unwrap();
+    // SAFETY: flock on a descriptor this test owns; no memory is passed.
+    assert_eq!(
+        unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) },
+        0
+    );
+    let mut removed: Vec<String> = remove_stale_files(&p)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    removed.sort();
+    assert_eq!(
+        removed,
+        ["test.ring.tmp.2147483646.1f2e3d", "test.ring.wake"]
+    );
+    let busy_name = busy.file_name().unwrap().to_string_lossy().into_owned();
+    let mut left = vec![
+        busy_name.clone(),
+        "test.ring.tmp.notapid.1f2e3d".to_string(),
+        "test.ring2.wake".to_string(),
+    ];
+    left.sort();
+    assert_eq!(names_in(&d), left);
+    // The creator gone (lock released), its leftover is stale too.
+    drop(held);
+    let removed = remove_stale_files(&p).unwrap();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(removed[0].path, busy);
+    // A live ring keeps its wake file.
+    let w = RingWriter::open(&p, &opts(1)).unwrap();
+    assert!(remove_stale_files(&p).unwrap().is_empty());
+    assert!(wake_path(&p).exists());
+    drop(w);
+}

@@ -99,8 +99,7 @@ impl Drop for OwnBridge {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.shm);
-        let _ = std::fs::remove_file(kvbridge_shm::wake_path(&self.shm));
+        let _ = kvbridge_shm::remove_ring(&self.shm);
     }
 }
 
@@ -145,7 +144,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 std::env::temp_dir()
             };
             let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
-            let _ = std::fs::remove_file(&shm);
+            let _ = kvbridge_shm::remove_ring(&shm);
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
             let child = Command::new(exe)
                 .args([

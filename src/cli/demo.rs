@@ -91,6 +91,14 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     let ctx = zmq::Context::new();
     let engines = bind_engines(&ctx, a.ranks)?;
     let shm = demo_ring_path();
+    // The demo's ring is its own: removed (with its wake file) however the demo ends.
+    struct RemoveRing(std::path::PathBuf);
+    impl Drop for RemoveRing {
+        fn drop(&mut self) {
+            let _ = kvbridge_shm::remove_ring(&self.0);
+        }
+    }
+    let _remove_ring = RemoveRing(shm.clone());
     let mut args = ServeArgs::default();
     args.engine.zmq = engines.iter().map(|(_, p)| p.endpoint()).collect();
     args.engine.replay = engines
@@ -206,8 +214,6 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         let _ = t.join();
     }
     let failed = fatal.borrow().clone();
-    let _ = std::fs::remove_file(&shm);
-    let _ = std::fs::remove_file(kvbridge_shm::wake_path(&shm));
     if let Some(why) = failed {
         return Err(CliError::Failed(why));
     }

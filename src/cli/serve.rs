@@ -162,24 +162,65 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         None => None,
     };
     let metrics_addr = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
-    let metrics = Arc::new(Metrics::new());
     // Derived from the port actually bound, so that `--grpc …:0` gets a ring of its own too.
     let shm = cfg.ring_path(grpc_addr.port());
+    remove_stale_ring_files(&shm);
+    // Rings this start creates (rather than adopts) are removed again, with their wake files,
+    // if the start fails after creating them: a failed start leaves nothing in /dev/shm.
+    let mut created = Vec::new();
+    let started = start_on_rings(
+        cfg,
+        &shm,
+        listener,
+        grpc_addr,
+        metrics_listener,
+        metrics_addr,
+        &mut created,
+    )
+    .await;
+    if started.is_err() {
+        for path in &created {
+            if let Err(e) = kvbridge_shm::remove_ring(path) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove the ring this failed start created");
+            }
+        }
+    }
+    started
+}
 
+/// The rest of [`run_service`]: rings (each one created rather than adopted is added to
+/// `created`), ingest, the gRPC server and metrics.
+async fn start_on_rings(
+    cfg: &ServeConfig,
+    shm: &std::path::Path,
+    listener: tokio::net::TcpListener,
+    grpc_addr: SocketAddr,
+    metrics_listener: Option<tokio::net::TcpListener>,
+    metrics_addr: Option<SocketAddr>,
+    created: &mut Vec<std::path::PathBuf>,
+) -> Result<ServiceHandle, CliError> {
+    let setup = CliError::Setup;
+    let metrics = Arc::new(Metrics::new());
     let opts = WriterOptions {
         capacity: cfg.ring_size as usize,
         seq_base: cfg.seq_base,
         group_read: cfg.shm_group_read,
     };
     let (merged, recovered) =
-        RingHub::open("merged", &shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
+        RingHub::open("merged", shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
+    if !recovered.adopted {
+        created.push(shm.to_path_buf());
+    }
     tracing::info!(path = %shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
-            let path = rank_ring_path(&shm, r.rank);
-            let (hub, _) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
+            let path = rank_ring_path(shm, r.rank);
+            let (hub, rec) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
                 .map_err(|e| setup(format!("--shm: {e}")))?;
+            if !rec.adopted {
+                created.push(path);
+            }
             rank_hubs.push(hub);
         }
     }
@@ -274,6 +315,48 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         health: reporter,
         hubs,
     })
+}
+
+/// Removes leftovers of this bridge's rings from earlier runs (see
+/// [`kvbridge_shm::remove_stale_files`]): a `.wake` file whose ring was removed, a ring file a
+/// crashed writer was still creating. Covers the merged ring `<shm>` and every per-rank ring
+/// `<shm>-rank<r>` found beside it (ranks of earlier runs included). Runs before any ring is
+/// opened.
+fn remove_stale_ring_files(shm: &std::path::Path) {
+    let mut rings = vec![shm.to_path_buf()];
+    if let (Some(name), Some(dir)) = (shm.file_name().and_then(|n| n.to_str()), shm.parent()) {
+        let dir = if dir.as_os_str().is_empty() {
+            std::path::Path::new(".")
+        } else {
+            dir
+        };
+        let prefix = format!("{name}-rank");
+        let ranks = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let n = e.file_name();
+                let rest = n.to_str()?.strip_prefix(&prefix)?;
+                let digits = rest.split(|c: char| !c.is_ascii_digit()).next()?;
+                digits.parse::<u32>().ok()
+            });
+        rings.extend(ranks.map(|r| rank_ring_path(shm, r)));
+    }
+    rings.sort();
+    rings.dedup();
+    for ring in rings {
+        match kvbridge_shm::remove_stale_files(&ring) {
+            Ok(removed) => {
+                for f in removed {
+                    tracing::info!(path = %f.path.display(), reason = f.reason, "removed a stale ring file");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(ring = %ring.display(), error = %e, "cannot look for stale ring files")
+            }
+        }
+    }
 }
 
 /// The ring file of one rank in `metadata` mode: `<shm>-rank<r>`.
