@@ -211,10 +211,21 @@ fn grpc_port_with_free_metrics_port() -> u16 {
     }
 }
 
-/// Removes a default ring (`/dev/shm/kvbridge-<port>`) and its wake file.
-fn remove_ring(path: &std::path::Path) {
-    let _ = std::fs::remove_file(path);
-    let _ = std::fs::remove_file(kvbridge_shm::wake_path(path));
+/// A default ring (`/dev/shm/kvbridge-<port>`), removed with its wake file when dropped, even
+/// when the test fails. Declare it before the bridge using it, so that the bridge goes first.
+struct DefaultRing(std::path::PathBuf);
+
+impl DefaultRing {
+    fn of(grpc_port: u16) -> DefaultRing {
+        DefaultRing(format!("/dev/shm/kvbridge-{grpc_port}").into())
+    }
+}
+
+impl Drop for DefaultRing {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_file(kvbridge_shm::wake_path(&self.0));
+    }
 }
 
 /// Item 1: bridges that differ only in `--zmq` and `--grpc` all start, each with its ring and its
@@ -223,9 +234,11 @@ fn remove_ring(path: &std::path::Path) {
 #[test]
 fn three_bridges_differing_only_in_zmq_and_grpc_all_serve_metrics() {
     let engines: Vec<Engine> = (0..3).map(Engine::start).collect();
+    let mut rings = Vec::new();
     let mut bridges = Vec::new();
     for e in &engines {
         let port = grpc_port_with_free_metrics_port();
+        rings.push(DefaultRing::of(port));
         let args = [
             "--zmq".to_string(),
             e.endpoint.clone(),
@@ -237,12 +250,12 @@ fn three_bridges_differing_only_in_zmq_and_grpc_all_serve_metrics() {
         assert_eq!(grpc.port(), port);
         let want: SocketAddr = format!("127.0.0.1:{}", port + 1000).parse().unwrap();
         assert_eq!(metrics, Some(want), "the documented rule");
-        let ring = std::path::PathBuf::from(format!("/dev/shm/kvbridge-{port}"));
+        let ring = &rings.last().unwrap().0;
         assert!(ring.exists(), "default ring {}", ring.display());
-        bridges.push((b, want, ring));
+        bridges.push((b, want));
     }
     // Bridge i gets i + 1 batches; its own page (and only its) counts them.
-    for (i, (e, (_, metrics, _))) in engines.iter().zip(&bridges).enumerate() {
+    for (i, (e, (_, metrics))) in engines.iter().zip(&bridges).enumerate() {
         wait_metrics(*metrics, T, |p| {
             metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 1.0
         });
@@ -250,16 +263,15 @@ fn three_bridges_differing_only_in_zmq_and_grpc_all_serve_metrics() {
             e.publish(Layout::Vllm033, vec![store(j as u64 + 1, 1, None)], 0);
         }
     }
-    for (i, (_, metrics, _)) in bridges.iter().enumerate() {
+    for (i, (_, metrics)) in bridges.iter().enumerate() {
         let want = (i + 1) as f64;
         wait_metrics(*metrics, T, |p| {
             metric(p, "kvbridge_batches_received_total", &[("rank", "0")]) == want
         });
     }
-    for (b, _, ring) in bridges {
+    for (b, _) in bridges {
         let (status, log) = b.stop();
         assert!(status.success(), "{status:?}\n{log}");
-        remove_ring(&ring);
     }
 }
 
@@ -274,23 +286,23 @@ fn grpc_port_0_binds_metrics_on_port_0_and_logs_both() {
         "--grpc".into(),
         "127.0.0.1:0".into(),
     ];
-    let (mut a, mut b) = (Serve::spawn(&args, &[]), Serve::spawn(&args, &[]));
     let mut rings = Vec::new();
+    let (mut a, mut b) = (Serve::spawn(&args, &[]), Serve::spawn(&args, &[]));
     for s in [&mut a, &mut b] {
         let (grpc, metrics) = s.addresses();
+        rings.push(DefaultRing::of(grpc.port()));
         let metrics = metrics.expect("metrics on by default");
         assert_ne!(grpc.port(), 0);
         assert_ne!(metrics.port(), 0);
         assert!(scrape(metrics).contains("kvbridge_health_serving"));
-        let ring = std::path::PathBuf::from(format!("/dev/shm/kvbridge-{}", grpc.port()));
+        let ring = &rings.last().unwrap().0;
+        assert!(ring.exists(), "default ring {}", ring.display());
         assert!(s.text().contains(&format!("ring={}", ring.display())));
-        rings.push(ring);
     }
     for s in [a, b] {
         let (status, log) = s.stop();
         assert!(status.success(), "{status:?}\n{log}");
     }
-    rings.iter().for_each(|r| remove_ring(r));
 }
 
 /// Item 2: the engine's own configuration is the only engine input. Two simulated ranks bound where
