@@ -56,21 +56,30 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Whether `md` carries exactly one `authorization` header holding `Bearer <want>`. The scheme
+/// is matched case-insensitively (RFC 7235 §2.1), the token exactly; a repeated header is
+/// refused, since proxies and servers disagree on which copy counts.
+fn bearer_ok(md: &tonic::metadata::MetadataMap, want: &[u8]) -> bool {
+    let mut values = md.get_all("authorization").iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return false;
+    };
+    let Ok(value) = value.to_str() else {
+        return false;
+    };
+    let Some((scheme, token)) = value.trim().split_once([' ', '\t']) else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer") && constant_time_eq(token.trim().as_bytes(), want)
+}
+
 impl PathHandler {
     /// `authorization: Bearer <token>` when a token is configured; else `UNAUTHENTICATED`.
     fn check_auth(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
         let Some(want) = &self.auth else {
             return Ok(());
         };
-        let ok = md
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let v = v.trim();
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), want));
+        let ok = bearer_ok(md, want);
         if ok {
             return Ok(());
         }
@@ -263,6 +272,55 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn md(values: &[&str]) -> tonic::metadata::MetadataMap {
+        let mut md = tonic::metadata::MetadataMap::new();
+        for v in values {
+            md.append("authorization", v.parse().unwrap());
+        }
+        md
+    }
+
+    /// RFC 7235 §2.1: the scheme is case-insensitive; the token is compared exactly.
+    #[test]
+    fn bearer_scheme_is_case_insensitive_and_the_token_is_not() {
+        for ok in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "bEaReR s3cret",
+            "Bearer\ts3cret",
+            "  Bearer   s3cret  ",
+        ] {
+            assert!(bearer_ok(&md(&[ok]), b"s3cret"), "{ok:?} refused");
+        }
+        for bad in [
+            "Bearer S3CRET",
+            "Bearer s3cre",
+            "Bearer s3crett",
+            "Bearers3cret",
+            "Basic s3cret",
+            "s3cret",
+            "Bearer",
+            "Bearer ",
+            "",
+        ] {
+            assert!(!bearer_ok(&md(&[bad]), b"s3cret"), "{bad:?} accepted");
+        }
+        assert!(!bearer_ok(&md(&[]), b"s3cret"), "no header accepted");
+    }
+
+    /// Two `authorization` headers are refused, even when both (or the first) hold the token.
+    #[test]
+    fn a_repeated_authorization_header_is_refused() {
+        for pair in [
+            ["Bearer s3cret", "Bearer s3cret"],
+            ["Bearer s3cret", "Bearer other"],
+            ["Bearer other", "Bearer s3cret"],
+        ] {
+            assert!(!bearer_ok(&md(&pair), b"s3cret"), "{pair:?} accepted");
+        }
+    }
 
     /// Every generated server has its row in the table, and every row a server.
     #[test]
