@@ -620,7 +620,9 @@ fn shape_drops(page: &str) -> f64 {
 /// A valid-shape message with a valid seq whose payload can never decode.
 fn bad_payload(rng: &mut Rng) -> Vec<u8> {
     match rng.range(0, 4) {
-        0 => Vec::new(),
+        // msgpack nil: a batch of the wrong type. (An empty payload is not garbage: it is dropped
+        // before the state machine, leaving its seq to be filled, see issue 15.)
+        0 => vec![0xc0],
         1 => {
             let mut v = vec![0xc1];
             v.extend((0..rng.range(0, 40)).map(|_| rng.next_u64() as u8));
@@ -914,4 +916,113 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KVBRIDGE_AUTH_TOKEN"));
+}
+
+/// issue 15 (3): the last engine seq sent again on the same connection is a repeated frame
+/// (dropped, counted), not a restart; an empty payload does not move `last`, so the batch that
+/// follows with its seq is applied; the last seq again after a reconnect is a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_engine_seq_is_dropped_and_an_empty_payload_does_not_move_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let (ep, rp) = (e.endpoint.clone(), e.replay.clone());
+    let (bridge, maddr) =
+        Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    settle();
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let batch = |seed: u64| {
+        let ev = store(seed, 2, None);
+        let SimEvent::Stored { hashes, .. } = &ev else {
+            unreachable!()
+        };
+        (hashes.clone(), encode_batch(L, 1.5, &[ev], 0))
+    };
+    let (mut want, p0) = batch(31);
+    e.with(move |p| p.publish(p0));
+    // seq 1, then seq 1 again.
+    let (h1, p1) = batch(32);
+    want.extend(&h1);
+    e.with(move |p| {
+        let s = p.publish(p1.clone());
+        p.send_raw(&[b"", &s.to_be_bytes(), &p1]).unwrap();
+    });
+    // An empty payload with seq 2, then the batch with seq 2, then seq 3.
+    let (h2, p2) = batch(33);
+    want.extend(&h2);
+    e.with(move |p| {
+        let s = p.next_seq();
+        p.send_raw(&[b"", &s.to_be_bytes(), b""]).unwrap();
+        p.publish(p2);
+    });
+    let (h3, p3) = batch(34);
+    want.extend(&h3);
+    e.with(move |p| p.publish(p3));
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want, "every batch once, in order");
+    assert_eq!(clears(&got), 0, "no in-band clear");
+    let page = wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_last_upstream_seq", &[("rank", "0")]) == 3.0
+    });
+    assert_eq!(
+        metric(&page, "kvbridge_repeated_frames_total", &[("rank", "0")]),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_frames_dropped_total",
+            &[("rank", "0"), ("reason", "empty_payload")]
+        ),
+        1.0
+    );
+    assert_eq!(metric(&page, "kvbridge_engine_restarts_total", &[]), 0.0);
+    assert_eq!(metric(&page, "kvbridge_synthesized_clears_total", &[]), 0.0);
+    assert_eq!(metric(&page, "kvbridge_upstream_gaps_total", &[]), 0.0);
+
+    // The engine restarts and, on its new connection, its first batch the bridge sees has the
+    // last seq (3): a restart, although the seq did not go down.
+    drop(e);
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 0.0
+    });
+    let e = Engine::start_at(&ep, &rp);
+    let mut want: Vec<u64> = Vec::new();
+    let mut last = Vec::new();
+    for seed in 41..45 {
+        let (h, p) = batch(seed);
+        want.extend(&h);
+        last = p.clone();
+        e.with(move |pb| pb.publish_dropped(p));
+    }
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 1.0
+    });
+    // The PUB drops what it sends before the bridge's subscription reaches it: send seq 3 until
+    // it arrives (any copy after the first is a repeat on the same connection).
+    let got = loop {
+        let p = last.clone();
+        e.with(move |pb| pb.send_raw(&[b"", &3u64.to_be_bytes(), &p]).unwrap());
+        match tokio::time::timeout(Duration::from_millis(200), sub.message()).await {
+            Ok(Ok(Some(b))) => break vec![b],
+            Ok(other) => panic!("stream ended: {other:?}"),
+            Err(_) => continue,
+        }
+    };
+    let mut got = got;
+    got.extend(
+        collect_until(&mut sub, T, |b| {
+            stored_hashes(&[got.clone(), b.to_vec()].concat()).len() >= want.len()
+        })
+        .await,
+    );
+    assert_eq!(clears(&got), 1, "one clear for the restart");
+    assert_eq!(
+        stored_hashes(&got),
+        want,
+        "the new incarnation, replayed from 0"
+    );
+    let page = scrape(maddr);
+    assert_eq!(metric(&page, "kvbridge_engine_restarts_total", &[]), 1.0);
+    drop(sub);
+    bridge.stop();
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::replay::ZmqReplay;
 use super::sink::RingSink;
-use super::upstream::{RankState, ReplaySource};
+use super::upstream::{Pos, RankState, ReplaySource};
 use super::{wire, IngestError};
 use crate::config::RankEndpoint;
 use crate::health::UpstreamState;
@@ -181,6 +181,12 @@ impl RankWorker {
                     }
                 };
                 let payload: &[u8] = &bufs[2];
+                if matches!(self.state.pos(), Pos::Last(l) if seq <= l) {
+                    // Repeat or restart depends on whether the publisher reconnected meanwhile:
+                    // make sure its connection events are in before deciding (the monitor sees
+                    // a connection before any message can arrive on it).
+                    self.drain_monitor();
+                }
                 let mut rep = self.io.replay();
                 let rep = rep.as_mut().map(|r| r as &mut dyn ReplaySource);
                 self.state.on_live(seq, payload, &mut self.sink, rep);
@@ -203,6 +209,7 @@ impl RankWorker {
             match zmq::SocketEvent::from_raw(event) {
                 zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
                     self.io.m.connects.inc();
+                    self.state.on_reconnect();
                     let n = self.upstream.on_connect(rank);
                     self.io.m.connected.set(n);
                     tracing::info!(rank, %endpoint, connections = n, "engine publisher connected");

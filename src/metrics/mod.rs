@@ -55,6 +55,8 @@ pub struct Metrics {
     pub auth_failures: IntCounter,
     /// Duplicates dropped while merging replay and live, per rank.
     pub duplicates_dropped: IntCounterVec,
+    /// Live frames repeating the last applied engine seq on the same connection, per rank.
+    pub repeated_frames: IntCounterVec,
     /// Batches whose own rank element differs from the socket's rank.
     pub rank_mismatch: IntCounterVec,
     /// Last engine sequence applied, per rank.
@@ -261,6 +263,12 @@ impl Metrics {
                 "Duplicate batches dropped",
                 &["rank"],
             ),
+            repeated_frames: counter(
+                &r,
+                "repeated_frames_total",
+                "Live frames repeating the last applied engine seq without a reconnect (dropped)",
+                &["rank"],
+            ),
             rank_mismatch: counter(
                 &r,
                 "rank_mismatch_total",
@@ -323,6 +331,7 @@ impl Metrics {
             disconnects: self.publisher_disconnects.with_label_values(&l),
             connected: self.upstream_connected.with_label_values(&l),
             duplicates: self.duplicates_dropped.with_label_values(&l),
+            repeated: self.repeated_frames.with_label_values(&l),
             replayed: self.replayed_batches.with_label_values(&l),
             rank_mismatch: self.rank_mismatch.with_label_values(&l),
             last_seq: self.last_upstream_seq.with_label_values(&l),
@@ -359,6 +368,8 @@ pub struct RankMetrics {
     pub connected: IntGauge,
     /// Duplicates dropped.
     pub duplicates: IntCounter,
+    /// Live frames repeating the last applied seq (dropped).
+    pub repeated: IntCounter,
     /// Batches recovered by replay.
     pub replayed: IntCounter,
     /// Rank element differs from the socket's rank.
