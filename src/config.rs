@@ -39,6 +39,15 @@ pub const MAX_SPLIT_THRESHOLD: u64 = (4 << 20) - 64 * 1024;
 pub const DEFAULT_REPLAY_TIMEOUT_MS: u64 = 2000;
 /// Default subscriber limit.
 pub const DEFAULT_MAX_SUBSCRIBERS: usize = 10_000;
+/// Default HTTP/2 stream limit per gRPC connection: far above what a gateway opens (SMG opens one
+/// `SubscribeKvEvents` stream per worker on its connection to that worker), far below what would
+/// let one connection pin much memory.
+pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 100;
+/// Default time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
+pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// Longest handshake timeout accepted (ms).
+pub const MAX_HANDSHAKE_TIMEOUT_MS: u64 = 600_000;
+
 /// Default health grace period (ms) after start-up and after the last upstream disconnect.
 pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 /// Longest health grace period accepted: a day (ms).
@@ -284,6 +293,7 @@ impl ServeArgs {
             tls: security.tls,
             auth_token: security.auth_token,
             max_streams_per_connection: streaming.max_streams_per_connection,
+            handshake_timeout: streaming.handshake_timeout,
         })
     }
 
@@ -468,9 +478,14 @@ concern! {
         /// Maximum concurrent subscribers; more get RESOURCE_EXHAUSTED [default: 10000].
         #[arg(long, value_name = "N")]
         pub max_subscribers: Option<usize>,
-        /// HTTP/2 max concurrent streams per gRPC connection [default: h2's, unlimited by tonic].
+        /// HTTP/2 max concurrent streams per gRPC connection; more wait on the client
+        /// [default: 100].
         #[arg(long, value_name = "N")]
         pub max_streams_per_connection: Option<u32>,
+        /// Close a gRPC connection that has not completed TLS (if on) and sent the HTTP/2
+        /// preface and its SETTINGS within this many ms [default: 10000].
+        #[arg(long, value_name = "MS")]
+        pub handshake_timeout_ms: Option<u64>,
     }
 }
 
@@ -480,7 +495,8 @@ struct StreamingConfig {
     send_dp_rank: bool,
     profile: Profile,
     max_subscribers: usize,
-    max_streams_per_connection: Option<u32>,
+    max_streams_per_connection: u32,
+    handshake_timeout: Duration,
 }
 
 impl StreamingArgs {
@@ -497,6 +513,14 @@ impl StreamingArgs {
                 "--max-streams-per-connection: must be at least 1 (omit it for the default)",
             ));
         }
+        let handshake_timeout_ms = self
+            .handshake_timeout_ms
+            .unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT_MS);
+        if !(1..=MAX_HANDSHAKE_TIMEOUT_MS).contains(&handshake_timeout_ms) {
+            return Err(invalid(format!(
+                "--handshake-timeout-ms {handshake_timeout_ms}: must be between 1 and {MAX_HANDSHAKE_TIMEOUT_MS}"
+            )));
+        }
         Ok(StreamingConfig {
             grpc,
             dp_mode: self.dp_mode.unwrap_or_default(),
@@ -506,7 +530,10 @@ impl StreamingArgs {
                 Some(ProfileArg::Smg) | None => Profile::Smg,
             },
             max_subscribers,
-            max_streams_per_connection: self.max_streams_per_connection,
+            max_streams_per_connection: self
+                .max_streams_per_connection
+                .unwrap_or(DEFAULT_MAX_STREAMS_PER_CONNECTION),
+            handshake_timeout: Duration::from_millis(handshake_timeout_ms),
         })
     }
 }
@@ -643,8 +670,10 @@ pub struct ServeConfig {
     pub tls: Option<TlsFiles>,
     /// Bearer token every `SubscribeKvEvents` call must carry, if set.
     pub auth_token: Option<String>,
-    /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
-    pub max_streams_per_connection: Option<u32>,
+    /// HTTP/2 max concurrent streams per connection.
+    pub max_streams_per_connection: u32,
+    /// Time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
+    pub handshake_timeout: Duration,
 }
 
 /// PEM contents of `--tls-cert` and `--tls-key`.
@@ -1134,6 +1163,11 @@ mod tests {
                 "max-streams-per-connection = 9",
                 "max-streams-per-connection = 10",
             ),
+            row(
+                "--handshake-timeout-ms 2500",
+                "handshake-timeout-ms = 2500",
+                "handshake-timeout-ms = 3000",
+            ),
             // Security.
             row(
                 &format!("--tls-cert {cert} --tls-key {key}"),
@@ -1262,7 +1296,7 @@ mod tests {
         };
         let c = a.resolve().unwrap();
         assert_eq!(c.health_grace, Duration::from_millis(250));
-        assert_eq!(c.max_streams_per_connection, Some(512));
+        assert_eq!(c.max_streams_per_connection, 512);
         assert_eq!(c.auth_token.as_deref(), Some("abc.DEF-123"));
         assert!(c.tls.is_some());
         assert!(
@@ -1280,7 +1314,14 @@ mod tests {
             let c = d.resolve().unwrap();
             assert!(c.auth_token.is_none() && c.tls.is_none());
             assert_eq!(c.health_grace.as_millis() as u64, DEFAULT_HEALTH_GRACE_MS);
-            assert_eq!(c.max_streams_per_connection, None);
+            assert_eq!(
+                c.max_streams_per_connection,
+                DEFAULT_MAX_STREAMS_PER_CONNECTION
+            );
+            assert_eq!(
+                c.handshake_timeout,
+                Duration::from_millis(DEFAULT_HANDSHAKE_TIMEOUT_MS)
+            );
         }
     }
 }

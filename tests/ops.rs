@@ -485,9 +485,15 @@ async fn the_1001st_subscriber_over_a_limit_of_1000_is_resource_exhausted() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
     let mut args = engine_args(&e);
-    args.extend([s("--max-subscribers"), s("1000")]);
+    // 100 streams on each of 10 connections; the 1001st and the late one go to connections that
+    // already have 100 open, so the per-connection limit (default 100) must be above that.
+    args.extend([
+        s("--max-subscribers"),
+        s("1000"),
+        s("--max-streams-per-connection"),
+        s("200"),
+    ]);
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    // h2 allows at most 200 concurrent streams per connection by default: use 10 connections.
     let mut chans = Vec::new();
     for _ in 0..10 {
         chans.push(channel(&bridge.url()).await);
@@ -890,6 +896,10 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
             vec![s("--health-grace-ms"), s("999999999999")],
             "--health-grace-ms",
         ),
+        (
+            vec![s("--handshake-timeout-ms"), s("0")],
+            "--handshake-timeout-ms",
+        ),
     ];
     for (extra, needle) in cases {
         let out = std::process::Command::new(bin())
@@ -916,6 +926,91 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KVBRIDGE_AUTH_TOKEN"));
+}
+
+/// issue 15 (1): with the descriptor limit reached and connections waiting in the backlog, both
+/// accept loops back off instead of spinning, count the failures, and serve again afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptor_exhaustion_backs_off_counts_and_recovers() {
+    const NOFILE: u64 = 128;
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    // The idle connections below must stay open for the whole test.
+    args.extend([s("--handshake-timeout-ms"), s("600000")]);
+    let (bridge, maddr) = Bridge::start_with_metrics_limited(
+        dir.path(),
+        &dir.path().join("ring"),
+        &args,
+        Some(NOFILE),
+    );
+    settle();
+    // Idle connections until the bridge holds every descriptor it may have, then more that
+    // wait in the backlog (accept fails on each of them while the table is full).
+    let mut conns = Vec::new();
+    for _ in 0..NOFILE {
+        conns.push(std::net::TcpStream::connect(bridge.grpc).unwrap());
+    }
+    let deadline = std::time::Instant::now() + T;
+    while bridge.open_fds() < NOFILE as usize {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "bridge holds only {} descriptors",
+            bridge.open_fds()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..32 {
+        conns.push(std::net::TcpStream::connect(bridge.grpc).unwrap());
+    }
+    conns.push(std::net::TcpStream::connect(maddr).unwrap());
+    // Busy-looping would take a whole core; backing off takes next to nothing. A generous
+    // bound: this checks for a spin, it is not a benchmark.
+    let (cpu0, t0) = (bridge.cpu_time(), std::time::Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let (cpu1, t1) = (bridge.cpu_time(), std::time::Instant::now());
+    let share = (cpu1 - cpu0).as_secs_f64() / (t1 - t0).as_secs_f64();
+    eprintln!(
+        "bridge CPU while out of descriptors: {:.1} % of a core",
+        share * 100.0
+    );
+    assert!(
+        share < 0.3,
+        "bridge used {:.0} % of a core while out of descriptors",
+        share * 100.0
+    );
+    drop(conns);
+    let page = wait_metrics(maddr, T, |p| {
+        metric(
+            p,
+            "kvbridge_accept_errors_total",
+            &[("listener", "metrics"), ("kind", "emfile")],
+        ) >= 1.0
+    });
+    let grpc_errors = metric(
+        &page,
+        "kvbridge_accept_errors_total",
+        &[("listener", "grpc"), ("kind", "emfile")],
+    );
+    eprintln!("accept errors counted: grpc {grpc_errors}, page:\n{}", {
+        page.lines()
+            .filter(|l| l.starts_with("kvbridge_accept_errors_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    assert!(grpc_errors >= 1.0);
+    assert!(
+        bridge.log().contains("out of file descriptors"),
+        "{}",
+        bridge.log()
+    );
+    // Serving again: a new subscriber gets what is published.
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let want = publish_stores(&e, 4242, 2, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    drop(sub);
+    bridge.stop();
 }
 
 /// issue 15 (3): the last engine seq sent again on the same connection is a repeated frame
@@ -1024,5 +1119,114 @@ async fn a_repeated_engine_seq_is_dropped_and_an_empty_payload_does_not_move_las
     let page = scrape(maddr);
     assert_eq!(metric(&page, "kvbridge_engine_restarts_total", &[]), 1.0);
     drop(sub);
+    bridge.stop();
+}
+
+/// Reads (discarding what the server sends, e.g. its SETTINGS) until the server closes the
+/// connection; the time that took, or `None` if it is still open after `limit`.
+async fn closed_within<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    limit: Duration,
+) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let t0 = tokio::time::Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout_at(t0 + limit, s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(t0.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// The HTTP/2 client preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The handshake timeout the tests below give the bridge, and the margin they allow on top.
+const HANDSHAKE_MS: u64 = 300;
+const MARGIN: Duration = Duration::from_secs(5);
+
+/// issue 15 (2): a client that sends nothing, half the preface, or the preface without SETTINGS
+/// is disconnected once `--handshake-timeout-ms` has passed; a real client is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_finish_the_http2_handshake_are_closed() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--handshake-timeout-ms"), HANDSHAKE_MS.to_string()]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    settle();
+    // A subscriber that completed its handshake, idle past the timeout.
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let limit = Duration::from_millis(HANDSHAKE_MS) + MARGIN;
+    for (what, sent) in [
+        ("nothing", &b""[..]),
+        ("half the preface", &PREFACE[..12]),
+        ("the preface without SETTINGS", PREFACE),
+    ] {
+        let mut c = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+        c.write_all(sent).await.unwrap();
+        let took = closed_within(&mut c, limit).await;
+        eprintln!("sent {what}: closed after {took:?}");
+        assert!(took.is_some(), "sent {what}: still open after {limit:?}");
+    }
+    let page = scrape(maddr);
+    assert_eq!(metric(&page, "kvbridge_handshake_timeouts_total", &[]), 3.0);
+    let want = publish_stores(&e, 515, 2, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(
+        stored_hashes(&got),
+        want,
+        "the real subscriber was not cut off"
+    );
+    drop(sub);
+    bridge.stop();
+}
+
+/// issue 15 (2) with TLS: a client that never starts TLS, and one that completes TLS but never
+/// sends the HTTP/2 preface, are both disconnected once the handshake timeout has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connections_that_never_finish_the_handshake_are_closed() {
+    use std::sync::Arc;
+    use tokio_rustls::rustls;
+    let dir = tempfile::tempdir().unwrap();
+    let ck = rcgen::generate_simple_self_signed(vec![s("localhost")]).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--handshake-timeout-ms"), HANDSHAKE_MS.to_string()]);
+    for (f, p) in [("--tls-cert", &cert), ("--tls-key", &key)] {
+        args.extend([s(f), p.display().to_string()]);
+    }
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    let limit = Duration::from_millis(HANDSHAKE_MS) + MARGIN;
+    let mut silent = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+    assert!(
+        closed_within(&mut silent, limit).await.is_some(),
+        "a client that never started TLS is still connected after {limit:?}"
+    );
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ck.cert.der().clone()).unwrap();
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .expect("TLS handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    assert!(
+        closed_within(&mut tls, limit).await.is_some(),
+        "a TLS client that never sent the HTTP/2 preface is still connected after {limit:?}"
+    );
     bridge.stop();
 }

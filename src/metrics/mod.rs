@@ -53,6 +53,10 @@ pub struct Metrics {
     pub slow_disconnects: IntCounterVec,
     /// Calls rejected for a missing or wrong bearer token.
     pub auth_failures: IntCounter,
+    /// `accept(2)` failures, per listener (`grpc`, `metrics`) and kind (`emfile`, …).
+    pub accept_errors: IntCounterVec,
+    /// gRPC connections closed for not completing TLS / the HTTP/2 preface in time.
+    pub handshake_timeouts: IntCounter,
     /// Duplicates dropped while merging replay and live, per rank.
     pub duplicates_dropped: IntCounterVec,
     /// Live frames repeating the last applied engine seq on the same connection, per rank.
@@ -257,6 +261,21 @@ impl Metrics {
                 r.register(Box::new(c.clone())).expect("unique");
                 c
             },
+            accept_errors: counter(
+                &r,
+                "accept_errors_total",
+                "Failed accept(2) calls by listener and kind (emfile, enfile, nomem, connection, other)",
+                &["listener", "kind"],
+            ),
+            handshake_timeouts: {
+                let c = IntCounter::new(
+                    "handshake_timeouts_total",
+                    "gRPC connections closed for not completing TLS and the HTTP/2 preface in time",
+                )
+                .expect("metric");
+                r.register(Box::new(c.clone())).expect("unique");
+                c
+            },
             duplicates_dropped: counter(
                 &r,
                 "duplicates_dropped_total",
@@ -420,10 +439,10 @@ impl RankMetrics {
 
 /// Serves the metrics page on `addr` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>) {
+    let mut acceptor =
+        crate::net::Acceptor::new(listener, "metrics", metrics.accept_errors.clone());
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
+        let mut sock = acceptor.accept().await;
         let m = metrics.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
