@@ -47,7 +47,15 @@ pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 100;
 pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Longest handshake timeout accepted (ms).
 pub const MAX_HANDSHAKE_TIMEOUT_MS: u64 = 600_000;
-
+/// Default largest engine message (ZMQ frame) accepted: 32 MiB. Real batches are far smaller
+/// (a 100k-token prefill is about 0.5 MB, docs/engine-wire.md §10; a million tokens in one
+/// step about 5 MB), and the cap bounds what one message can cost (about twice its size at
+/// peak) and keeps one batch well inside the default ring.
+pub const DEFAULT_MAX_ENGINE_MESSAGE: u64 = 32 << 20;
+/// Smallest `--max-engine-message` accepted.
+pub const MIN_MAX_ENGINE_MESSAGE: u64 = 4096;
+/// Largest `--max-engine-message` accepted (the decoder addresses payloads with 32 bits).
+pub const MAX_MAX_ENGINE_MESSAGE: u64 = 1 << 30;
 /// Default health grace period (ms) after start-up and after the last upstream disconnect.
 pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 /// Longest health grace period accepted: a day (ms).
@@ -286,6 +294,7 @@ impl ServeArgs {
             send_dp_rank: streaming.send_dp_rank,
             max_subscribers: streaming.max_subscribers,
             replay_timeout: engine.replay_timeout,
+            max_engine_message: engine.max_engine_message,
             shm_group_read: ring.shm_group_read,
             metrics: ops.metrics,
             log_format: ops.log_format,
@@ -355,6 +364,10 @@ concern! {
         /// Time to wait for the first replay reply and between replies, in ms [default: 2000].
         #[arg(long, value_name = "MS")]
         pub replay_timeout_ms: Option<u64>,
+        /// Largest engine message accepted, e.g. `32MiB`: ZMQ refuses a larger one (live or
+        /// replayed) and drops the connection it came on; the batch is then a gap [default: 32MiB].
+        #[arg(long, value_name = "BYTES")]
+        pub max_engine_message: Option<ByteSize>,
     }
 }
 
@@ -362,6 +375,7 @@ struct EngineConfig {
     ranks: Vec<RankEndpoint>,
     topic: String,
     replay_timeout: Duration,
+    max_engine_message: u64,
 }
 
 impl EngineArgs {
@@ -371,10 +385,20 @@ impl EngineArgs {
         if replay_timeout_ms == 0 {
             return Err(invalid("--replay-timeout-ms: must be at least 1"));
         }
+        let max_engine_message = match &self.max_engine_message {
+            Some(s) => s.bytes("max-engine-message")?,
+            None => DEFAULT_MAX_ENGINE_MESSAGE,
+        };
+        if !(MIN_MAX_ENGINE_MESSAGE..=MAX_MAX_ENGINE_MESSAGE).contains(&max_engine_message) {
+            return Err(invalid(format!(
+                "--max-engine-message {max_engine_message}: must be between 4KiB ({MIN_MAX_ENGINE_MESSAGE}) and 1GiB ({MAX_MAX_ENGINE_MESSAGE})"
+            )));
+        }
         Ok(EngineConfig {
             ranks,
             topic: self.topic.unwrap_or_default(),
             replay_timeout: Duration::from_millis(replay_timeout_ms),
+            max_engine_message,
         })
     }
 }
@@ -658,6 +682,8 @@ pub struct ServeConfig {
     pub max_subscribers: usize,
     /// Replay reply timeout.
     pub replay_timeout: Duration,
+    /// Largest engine message (ZMQ frame) accepted, in bytes; also the decoder's payload limit.
+    pub max_engine_message: u64,
     /// Ring file mode 0640 instead of 0600.
     pub shm_group_read: bool,
     /// Prometheus address, `None` when disabled.
@@ -1109,6 +1135,11 @@ mod tests {
                 "replay-timeout-ms = 500",
                 "replay-timeout-ms = 600",
             ),
+            row(
+                "--max-engine-message 1MiB",
+                r#"max-engine-message = "1MiB""#,
+                "max-engine-message = 2097152",
+            ),
             // Ring.
             row(
                 "--shm /tmp/kvbridge-cfg-a",
@@ -1322,6 +1353,7 @@ mod tests {
                 c.handshake_timeout,
                 Duration::from_millis(DEFAULT_HANDSHAKE_TIMEOUT_MS)
             );
+            assert_eq!(c.max_engine_message, DEFAULT_MAX_ENGINE_MESSAGE);
         }
     }
 }

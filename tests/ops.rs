@@ -900,6 +900,10 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
             vec![s("--handshake-timeout-ms"), s("0")],
             "--handshake-timeout-ms",
         ),
+        (
+            vec![s("--max-engine-message"), s("1KiB")],
+            "--max-engine-message",
+        ),
     ];
     for (extra, needle) in cases {
         let out = std::process::Command::new(bin())
@@ -1228,5 +1232,83 @@ async fn tls_connections_that_never_finish_the_handshake_are_closed() {
         closed_within(&mut tls, limit).await.is_some(),
         "a TLS client that never sent the HTTP/2 preface is still connected after {limit:?}"
     );
+    bridge.stop();
+}
+
+/// issue 15 (5): a message above `--max-engine-message` is never delivered: ZMQ refuses it
+/// before allocating it and drops the publisher connection; kvbridge connects again, the batch
+/// becomes a gap that replay cannot fill (the replayed copy is refused too), which is signalled
+/// in band, and later valid messages flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_message_above_the_limit_is_refused_and_the_stream_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([
+        s("--max-engine-message"),
+        s("256KiB"),
+        s("--replay-timeout-ms"),
+        s("300"),
+    ]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    settle();
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let first = publish_stores(&e, 500, 1, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= first.len()).await;
+    assert_eq!(stored_hashes(&got), first);
+    // One store of 6,000 blocks: about 400 KB of msgpack.
+    let big = store(600, 6000, None);
+    let SimEvent::Stored {
+        hashes: big_hashes, ..
+    } = &big
+    else {
+        unreachable!()
+    };
+    let big_hashes = big_hashes.clone();
+    let payload = encode_batch(L, 1.5, &[big], 0);
+    assert!(payload.len() > 256 << 10, "{} bytes", payload.len());
+    e.with(move |p| p.publish(payload));
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_publisher_disconnects_total", &[("rank", "0")]) >= 1.0
+    });
+    // Until the bridge is subscribed again the PUB drops what it sends: publish small batches
+    // until something arrives.
+    let mut got = Vec::new();
+    for seed in 700.. {
+        publish_stores(&e, seed, 1, 1);
+        match tokio::time::timeout(Duration::from_millis(300), sub.message()).await {
+            Ok(Ok(Some(b))) => {
+                got.push(b);
+                break;
+            }
+            Ok(other) => panic!("stream ended: {other:?}"),
+            Err(_) => assert!(seed < 800, "nothing delivered after the oversized message"),
+        }
+    }
+    let last = publish_stores(&e, 900, 1, 3);
+    got.extend(collect_until(&mut sub, T, |b| stored_hashes(b).ends_with(&last)).await);
+    let delivered = stored_hashes(&got);
+    assert!(delivered.ends_with(&last), "{delivered:?}");
+    assert!(
+        !delivered.iter().any(|h| big_hashes.contains(h)),
+        "the oversized batch was delivered"
+    );
+    assert!(
+        clears(&got) >= 1,
+        "the lost batch was not signalled in band"
+    );
+    let page = scrape(maddr);
+    let rejoins = metric(&page, "kvbridge_publisher_rejoins_total", &[("rank", "0")]);
+    let timed_out = metric(&page, "kvbridge_replays_total", &[("outcome", "timed_out")]);
+    eprintln!(
+        "rejoins {rejoins}, replays timed out {timed_out}, clears {}",
+        clears(&got)
+    );
+    assert!(rejoins >= 1.0, "kvbridge did not connect the SUB again");
+    assert_eq!(
+        metric(&page, "kvbridge_upstream_connected", &[("rank", "0")]),
+        1.0
+    );
+    drop(sub);
     bridge.stop();
 }

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub publisher_disconnects: IntCounterVec,
     /// Publisher connections currently up, per rank.
     pub upstream_connected: IntGaugeVec,
+    /// Connecting SUBs connected again by kvbridge after libzmq gave the connection up, per rank.
+    pub publisher_rejoins: IntCounterVec,
     /// Health status served on grpc.health.v1 (1 SERVING, 0 NOT_SERVING).
     pub health_serving: IntGauge,
     /// Ring capacity in bytes, per ring.
@@ -209,6 +211,12 @@ impl Metrics {
                 "Engine publisher disconnects",
                 &["rank"],
             ),
+            publisher_rejoins: counter(
+                &r,
+                "publisher_rejoins_total",
+                "Publisher connections kvbridge re-established after libzmq dropped them for a protocol error (e.g. a message above --max-engine-message)",
+                &["rank"],
+            ),
             upstream_connected: gauge(
                 &r,
                 "upstream_connected",
@@ -349,6 +357,7 @@ impl Metrics {
             connects: self.publisher_connects.with_label_values(&l),
             disconnects: self.publisher_disconnects.with_label_values(&l),
             connected: self.upstream_connected.with_label_values(&l),
+            rejoins: self.publisher_rejoins.with_label_values(&l),
             duplicates: self.duplicates_dropped.with_label_values(&l),
             repeated: self.repeated_frames.with_label_values(&l),
             replayed: self.replayed_batches.with_label_values(&l),
@@ -385,6 +394,8 @@ pub struct RankMetrics {
     pub disconnects: IntCounter,
     /// Publisher connections up.
     pub connected: IntGauge,
+    /// Publisher connections re-established after libzmq gave them up.
+    pub rejoins: IntCounter,
     /// Duplicates dropped.
     pub duplicates: IntCounter,
     /// Live frames repeating the last applied seq (dropped).
