@@ -44,6 +44,23 @@ pub const MAX_SPLIT_THRESHOLD: u64 = (4 << 20) - 64 * 1024;
 pub const DEFAULT_REPLAY_TIMEOUT_MS: u64 = 2000;
 /// Default subscriber limit.
 pub const DEFAULT_MAX_SUBSCRIBERS: usize = 10_000;
+/// Default HTTP/2 stream limit per gRPC connection: far above what a gateway opens (SMG opens one
+/// `SubscribeKvEvents` stream per worker on its connection to that worker), far below what would
+/// let one connection pin much memory.
+pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 100;
+/// Default time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
+pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// Longest handshake timeout accepted (ms).
+pub const MAX_HANDSHAKE_TIMEOUT_MS: u64 = 600_000;
+/// Default largest engine message (ZMQ frame) accepted: 32 MiB. Real batches are far smaller
+/// (a 100k-token prefill is about 0.5 MB, docs/engine-wire.md §10; a million tokens in one
+/// step about 5 MB), and the cap bounds what one message can cost (about twice its size at
+/// peak) and keeps one batch well inside the default ring.
+pub const DEFAULT_MAX_ENGINE_MESSAGE: u64 = 32 << 20;
+/// Smallest `--max-engine-message` accepted.
+pub const MIN_MAX_ENGINE_MESSAGE: u64 = 4096;
+/// Largest `--max-engine-message` accepted (the decoder addresses payloads with 32 bits).
+pub const MAX_MAX_ENGINE_MESSAGE: u64 = 1 << 30;
 /// Default health grace period (ms) after start-up and after the last upstream disconnect.
 pub const DEFAULT_HEALTH_GRACE_MS: u64 = 10_000;
 /// Longest health grace period accepted: a day (ms).
@@ -299,6 +316,7 @@ impl ServeArgs {
             send_dp_rank: streaming.send_dp_rank,
             max_subscribers: streaming.max_subscribers,
             replay_timeout: engine.replay_timeout,
+            max_engine_message: engine.max_engine_message,
             shm_group_read: ring.shm_group_read,
             warnings: engine.warnings,
             metrics: ops.metrics,
@@ -307,6 +325,7 @@ impl ServeArgs {
             tls: security.tls,
             auth_token: security.auth_token,
             max_streams_per_connection: streaming.max_streams_per_connection,
+            handshake_timeout: streaming.handshake_timeout,
         })
     }
 
@@ -381,6 +400,10 @@ concern! {
         /// differ (`0.0.0.0`, SGLang's `bind` key), which kvbridge reports.
         #[arg(long, value_enum)]
         pub engine: Option<EngineFamily>,
+        /// Largest engine message accepted, e.g. `32MiB`: ZMQ refuses a larger one (live or
+        /// replayed) and drops the connection it came on; the batch is then a gap [default: 32MiB].
+        #[arg(long, value_name = "BYTES")]
+        pub max_engine_message: Option<ByteSize>,
     }
 }
 
@@ -389,6 +412,7 @@ struct EngineConfig {
     topic: String,
     replay_timeout: Duration,
     warnings: Vec<String>,
+    max_engine_message: u64,
 }
 
 impl EngineArgs {
@@ -396,6 +420,15 @@ impl EngineArgs {
         let replay_timeout_ms = self.replay_timeout_ms.unwrap_or(DEFAULT_REPLAY_TIMEOUT_MS);
         if replay_timeout_ms == 0 {
             return Err(invalid("--replay-timeout-ms: must be at least 1"));
+        }
+        let max_engine_message = match &self.max_engine_message {
+            Some(s) => s.bytes("max-engine-message")?,
+            None => DEFAULT_MAX_ENGINE_MESSAGE,
+        };
+        if !(MIN_MAX_ENGINE_MESSAGE..=MAX_MAX_ENGINE_MESSAGE).contains(&max_engine_message) {
+            return Err(invalid(format!(
+                "--max-engine-message {max_engine_message}: must be between 4KiB ({MIN_MAX_ENGINE_MESSAGE}) and 1GiB ({MAX_MAX_ENGINE_MESSAGE})"
+            )));
         }
         let replay_timeout = Duration::from_millis(replay_timeout_ms);
         let Some(kv_events_config) = &self.kv_events_config else {
@@ -413,6 +446,7 @@ impl EngineArgs {
                 ranks: build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?,
                 topic: self.topic.unwrap_or_default(),
                 replay_timeout,
+                max_engine_message,
                 warnings: Vec::new(),
             });
         };
@@ -444,6 +478,7 @@ impl EngineArgs {
             ranks: derived.ranks,
             topic: derived.topic,
             replay_timeout,
+            max_engine_message,
             warnings: derived
                 .ignored_keys
                 .iter()
@@ -552,9 +587,14 @@ concern! {
         /// Maximum concurrent subscribers; more get RESOURCE_EXHAUSTED [default: 10000].
         #[arg(long, value_name = "N")]
         pub max_subscribers: Option<usize>,
-        /// HTTP/2 max concurrent streams per gRPC connection [default: h2's, unlimited by tonic].
+        /// HTTP/2 max concurrent streams per gRPC connection; more wait on the client
+        /// [default: 100].
         #[arg(long, value_name = "N")]
         pub max_streams_per_connection: Option<u32>,
+        /// Close a gRPC connection that has not completed TLS (if on) and sent the HTTP/2
+        /// preface and its SETTINGS within this many ms [default: 10000].
+        #[arg(long, value_name = "MS")]
+        pub handshake_timeout_ms: Option<u64>,
     }
 }
 
@@ -564,7 +604,8 @@ struct StreamingConfig {
     send_dp_rank: bool,
     profile: Profile,
     max_subscribers: usize,
-    max_streams_per_connection: Option<u32>,
+    max_streams_per_connection: u32,
+    handshake_timeout: Duration,
 }
 
 impl StreamingArgs {
@@ -581,6 +622,14 @@ impl StreamingArgs {
                 "--max-streams-per-connection: must be at least 1 (omit it for the default)",
             ));
         }
+        let handshake_timeout_ms = self
+            .handshake_timeout_ms
+            .unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT_MS);
+        if !(1..=MAX_HANDSHAKE_TIMEOUT_MS).contains(&handshake_timeout_ms) {
+            return Err(invalid(format!(
+                "--handshake-timeout-ms {handshake_timeout_ms}: must be between 1 and {MAX_HANDSHAKE_TIMEOUT_MS}"
+            )));
+        }
         Ok(StreamingConfig {
             grpc,
             dp_mode: self.dp_mode.unwrap_or_default(),
@@ -590,7 +639,10 @@ impl StreamingArgs {
                 Some(ProfileArg::Smg) | None => Profile::Smg,
             },
             max_subscribers,
-            max_streams_per_connection: self.max_streams_per_connection,
+            max_streams_per_connection: self
+                .max_streams_per_connection
+                .unwrap_or(DEFAULT_MAX_STREAMS_PER_CONNECTION),
+            handshake_timeout: Duration::from_millis(handshake_timeout_ms),
         })
     }
 }
@@ -715,6 +767,8 @@ pub struct ServeConfig {
     pub max_subscribers: usize,
     /// Replay reply timeout.
     pub replay_timeout: Duration,
+    /// Largest engine message (ZMQ frame) accepted, in bytes; also the decoder's payload limit.
+    pub max_engine_message: u64,
     /// Ring file mode 0640 instead of 0600.
     pub shm_group_read: bool,
     /// Configuration problems that do not stop the bridge, logged once it starts.
@@ -729,8 +783,10 @@ pub struct ServeConfig {
     pub tls: Option<TlsFiles>,
     /// Bearer token every `SubscribeKvEvents` call must carry, if set.
     pub auth_token: Option<String>,
-    /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
-    pub max_streams_per_connection: Option<u32>,
+    /// HTTP/2 max concurrent streams per connection.
+    pub max_streams_per_connection: u32,
+    /// Time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
+    pub handshake_timeout: Duration,
 }
 
 impl ServeConfig {
@@ -1207,6 +1263,11 @@ mod tests {
                 &format!("kv-events-config = '{KV_ANY}'\nengine = \"sglang\""),
                 &format!("kv-events-config = '{KV_ANY}'\nengine = \"vllm\""),
             ),
+            row(
+                "--max-engine-message 1MiB",
+                r#"max-engine-message = "1MiB""#,
+                "max-engine-message = 2097152",
+            ),
             // Ring.
             row(
                 "--shm /tmp/kvbridge-cfg-a",
@@ -1260,6 +1321,11 @@ mod tests {
                 "--max-streams-per-connection 9",
                 "max-streams-per-connection = 9",
                 "max-streams-per-connection = 10",
+            ),
+            row(
+                "--handshake-timeout-ms 2500",
+                "handshake-timeout-ms = 2500",
+                "handshake-timeout-ms = 3000",
             ),
             // Security.
             row(
@@ -1513,7 +1579,7 @@ mod tests {
         };
         let c = a.resolve().unwrap();
         assert_eq!(c.health_grace, Duration::from_millis(250));
-        assert_eq!(c.max_streams_per_connection, Some(512));
+        assert_eq!(c.max_streams_per_connection, 512);
         assert_eq!(c.auth_token.as_deref(), Some("abc.DEF-123"));
         assert!(c.tls.is_some());
         assert!(
@@ -1531,7 +1597,15 @@ mod tests {
             let c = d.resolve().unwrap();
             assert!(c.auth_token.is_none() && c.tls.is_none());
             assert_eq!(c.health_grace.as_millis() as u64, DEFAULT_HEALTH_GRACE_MS);
-            assert_eq!(c.max_streams_per_connection, None);
+            assert_eq!(
+                c.max_streams_per_connection,
+                DEFAULT_MAX_STREAMS_PER_CONNECTION
+            );
+            assert_eq!(
+                c.handshake_timeout,
+                Duration::from_millis(DEFAULT_HANDSHAKE_TIMEOUT_MS)
+            );
+            assert_eq!(c.max_engine_message, DEFAULT_MAX_ENGINE_MESSAGE);
         }
     }
 }

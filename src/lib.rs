@@ -12,7 +12,8 @@
 //! ```
 //!
 //! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command),
-//! [`metrics`] (Prometheus) and [`health`] (upstream connections → `grpc.health.v1`). The wire
+//! [`metrics`] (Prometheus), [`health`] (upstream connections → `grpc.health.v1`) and [`net`]
+//! (the listeners' accept loop and the gRPC handshake deadline). The wire
 //! formats are specified in docs/engine-wire.md (engine side) and
 //! docs/smg-api.md (gateway side).
 
@@ -27,6 +28,7 @@ pub mod fanout;
 pub mod health;
 pub mod ingest;
 pub mod metrics;
+pub mod net;
 pub mod proto;
 pub mod ring;
 pub mod sim;

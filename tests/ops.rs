@@ -485,9 +485,15 @@ async fn the_1001st_subscriber_over_a_limit_of_1000_is_resource_exhausted() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
     let mut args = engine_args(&e);
-    args.extend([s("--max-subscribers"), s("1000")]);
+    // 100 streams on each of 10 connections; the 1001st and the late one go to connections that
+    // already have 100 open, so the per-connection limit (default 100) must be above that.
+    args.extend([
+        s("--max-subscribers"),
+        s("1000"),
+        s("--max-streams-per-connection"),
+        s("200"),
+    ]);
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    // h2 allows at most 200 concurrent streams per connection by default: use 10 connections.
     let mut chans = Vec::new();
     for _ in 0..10 {
         chans.push(channel(&bridge.url()).await);
@@ -620,7 +626,9 @@ fn shape_drops(page: &str) -> f64 {
 /// A valid-shape message with a valid seq whose payload can never decode.
 fn bad_payload(rng: &mut Rng) -> Vec<u8> {
     match rng.range(0, 4) {
-        0 => Vec::new(),
+        // msgpack nil: a batch of the wrong type. (An empty payload is not garbage: it is dropped
+        // before the state machine, leaving its seq to be filled, see issue 15.)
+        0 => vec![0xc0],
         1 => {
             let mut v = vec![0xc1];
             v.extend((0..rng.range(0, 40)).map(|_| rng.next_u64() as u8));
@@ -887,6 +895,14 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
         (
             vec![s("--health-grace-ms"), s("999999999999")],
             "--health-grace-ms",
+        ),
+        (
+            vec![s("--handshake-timeout-ms"), s("0")],
+            "--handshake-timeout-ms",
+        ),
+        (
+            vec![s("--max-engine-message"), s("1KiB")],
+            "--max-engine-message",
         ),
     ];
     // Its own ring path, port and no metrics port: nothing of a failed start lands in /dev/shm
@@ -1274,4 +1290,385 @@ fn the_demo_leaves_no_ring_or_wake_file() {
     assert!(!std::path::Path::new(ring).exists(), "{ring} left behind");
     let wake = format!("{ring}.wake");
     assert!(!std::path::Path::new(&wake).exists(), "{wake} left behind");
+}
+
+/// issue 15 (1): with the descriptor limit reached and connections waiting in the backlog, both
+/// accept loops back off instead of spinning, count the failures, and serve again afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptor_exhaustion_backs_off_counts_and_recovers() {
+    const NOFILE: u64 = 128;
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    // The idle connections below must stay open for the whole test.
+    args.extend([s("--handshake-timeout-ms"), s("600000")]);
+    let (bridge, maddr) = Bridge::start_with_metrics_limited(
+        dir.path(),
+        &dir.path().join("ring"),
+        &args,
+        Some(NOFILE),
+    );
+    settle();
+    // Idle connections until the bridge holds every descriptor it may have, then more that
+    // wait in the backlog (accept fails on each of them while the table is full).
+    let mut conns = Vec::new();
+    for _ in 0..NOFILE {
+        conns.push(std::net::TcpStream::connect(bridge.grpc).unwrap());
+    }
+    let deadline = std::time::Instant::now() + T;
+    while bridge.open_fds() < NOFILE as usize {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "bridge holds only {} descriptors",
+            bridge.open_fds()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..32 {
+        conns.push(std::net::TcpStream::connect(bridge.grpc).unwrap());
+    }
+    conns.push(std::net::TcpStream::connect(maddr).unwrap());
+    // Busy-looping would take a whole core; backing off takes next to nothing. A generous
+    // bound: this checks for a spin, it is not a benchmark.
+    let (cpu0, t0) = (bridge.cpu_time(), std::time::Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let (cpu1, t1) = (bridge.cpu_time(), std::time::Instant::now());
+    let share = (cpu1 - cpu0).as_secs_f64() / (t1 - t0).as_secs_f64();
+    eprintln!(
+        "bridge CPU while out of descriptors: {:.1} % of a core",
+        share * 100.0
+    );
+    assert!(
+        share < 0.3,
+        "bridge used {:.0} % of a core while out of descriptors",
+        share * 100.0
+    );
+    drop(conns);
+    let page = wait_metrics(maddr, T, |p| {
+        metric(
+            p,
+            "kvbridge_accept_errors_total",
+            &[("listener", "metrics"), ("kind", "emfile")],
+        ) >= 1.0
+    });
+    let grpc_errors = metric(
+        &page,
+        "kvbridge_accept_errors_total",
+        &[("listener", "grpc"), ("kind", "emfile")],
+    );
+    eprintln!("accept errors counted: grpc {grpc_errors}, page:\n{}", {
+        page.lines()
+            .filter(|l| l.starts_with("kvbridge_accept_errors_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    assert!(grpc_errors >= 1.0);
+    assert!(
+        bridge.log().contains("out of file descriptors"),
+        "{}",
+        bridge.log()
+    );
+    // Serving again: a new subscriber gets what is published.
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let want = publish_stores(&e, 4242, 2, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want);
+    drop(sub);
+    bridge.stop();
+}
+
+/// issue 15 (3): the last engine seq sent again on the same connection is a repeated frame
+/// (dropped, counted), not a restart; an empty payload does not move `last`, so the batch that
+/// follows with its seq is applied; the last seq again after a reconnect is a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_engine_seq_is_dropped_and_an_empty_payload_does_not_move_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let (ep, rp) = (e.endpoint.clone(), e.replay.clone());
+    let (bridge, maddr) =
+        Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
+    settle();
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let batch = |seed: u64| {
+        let ev = store(seed, 2, None);
+        let SimEvent::Stored { hashes, .. } = &ev else {
+            unreachable!()
+        };
+        (hashes.clone(), encode_batch(L, 1.5, &[ev], 0))
+    };
+    let (mut want, p0) = batch(31);
+    e.with(move |p| p.publish(p0));
+    // seq 1, then seq 1 again.
+    let (h1, p1) = batch(32);
+    want.extend(&h1);
+    e.with(move |p| {
+        let s = p.publish(p1.clone());
+        p.send_raw(&[b"", &s.to_be_bytes(), &p1]).unwrap();
+    });
+    // An empty payload with seq 2, then the batch with seq 2, then seq 3.
+    let (h2, p2) = batch(33);
+    want.extend(&h2);
+    e.with(move |p| {
+        let s = p.next_seq();
+        p.send_raw(&[b"", &s.to_be_bytes(), b""]).unwrap();
+        p.publish(p2);
+    });
+    let (h3, p3) = batch(34);
+    want.extend(&h3);
+    e.with(move |p| p.publish(p3));
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(stored_hashes(&got), want, "every batch once, in order");
+    assert_eq!(clears(&got), 0, "no in-band clear");
+    let page = wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_last_upstream_seq", &[("rank", "0")]) == 3.0
+    });
+    assert_eq!(
+        metric(&page, "kvbridge_repeated_frames_total", &[("rank", "0")]),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_frames_dropped_total",
+            &[("rank", "0"), ("reason", "empty_payload")]
+        ),
+        1.0
+    );
+    assert_eq!(metric(&page, "kvbridge_engine_restarts_total", &[]), 0.0);
+    assert_eq!(metric(&page, "kvbridge_synthesized_clears_total", &[]), 0.0);
+    assert_eq!(metric(&page, "kvbridge_upstream_gaps_total", &[]), 0.0);
+
+    // The engine restarts and, on its new connection, its first batch the bridge sees has the
+    // last seq (3): a restart, although the seq did not go down.
+    drop(e);
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 0.0
+    });
+    let e = Engine::start_at(&ep, &rp);
+    let mut want: Vec<u64> = Vec::new();
+    let mut last = Vec::new();
+    for seed in 41..45 {
+        let (h, p) = batch(seed);
+        want.extend(&h);
+        last = p.clone();
+        e.with(move |pb| pb.publish_dropped(p));
+    }
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 1.0
+    });
+    // The PUB drops what it sends before the bridge's subscription reaches it: send seq 3 until
+    // it arrives (any copy after the first is a repeat on the same connection).
+    let got = loop {
+        let p = last.clone();
+        e.with(move |pb| pb.send_raw(&[b"", &3u64.to_be_bytes(), &p]).unwrap());
+        match tokio::time::timeout(Duration::from_millis(200), sub.message()).await {
+            Ok(Ok(Some(b))) => break vec![b],
+            Ok(other) => panic!("stream ended: {other:?}"),
+            Err(_) => continue,
+        }
+    };
+    let mut got = got;
+    got.extend(
+        collect_until(&mut sub, T, |b| {
+            stored_hashes(&[got.clone(), b.to_vec()].concat()).len() >= want.len()
+        })
+        .await,
+    );
+    assert_eq!(clears(&got), 1, "one clear for the restart");
+    assert_eq!(
+        stored_hashes(&got),
+        want,
+        "the new incarnation, replayed from 0"
+    );
+    let page = scrape(maddr);
+    assert_eq!(metric(&page, "kvbridge_engine_restarts_total", &[]), 1.0);
+    drop(sub);
+    bridge.stop();
+}
+
+/// Reads (discarding what the server sends, e.g. its SETTINGS) until the server closes the
+/// connection; the time that took, or `None` if it is still open after `limit`.
+async fn closed_within<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    limit: Duration,
+) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let t0 = tokio::time::Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout_at(t0 + limit, s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(t0.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// The HTTP/2 client preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The handshake timeout the tests below give the bridge, and the margin they allow on top.
+const HANDSHAKE_MS: u64 = 300;
+const MARGIN: Duration = Duration::from_secs(5);
+
+/// issue 15 (2): a client that sends nothing, half the preface, or the preface without SETTINGS
+/// is disconnected once `--handshake-timeout-ms` has passed; a real client is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_finish_the_http2_handshake_are_closed() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--handshake-timeout-ms"), HANDSHAKE_MS.to_string()]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    settle();
+    // A subscriber that completed its handshake, idle past the timeout.
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let limit = Duration::from_millis(HANDSHAKE_MS) + MARGIN;
+    for (what, sent) in [
+        ("nothing", &b""[..]),
+        ("half the preface", &PREFACE[..12]),
+        ("the preface without SETTINGS", PREFACE),
+    ] {
+        let mut c = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+        c.write_all(sent).await.unwrap();
+        let took = closed_within(&mut c, limit).await;
+        eprintln!("sent {what}: closed after {took:?}");
+        assert!(took.is_some(), "sent {what}: still open after {limit:?}");
+    }
+    let page = scrape(maddr);
+    assert_eq!(metric(&page, "kvbridge_handshake_timeouts_total", &[]), 3.0);
+    let want = publish_stores(&e, 515, 2, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= want.len()).await;
+    assert_eq!(
+        stored_hashes(&got),
+        want,
+        "the real subscriber was not cut off"
+    );
+    drop(sub);
+    bridge.stop();
+}
+
+/// issue 15 (2) with TLS: a client that never starts TLS, and one that completes TLS but never
+/// sends the HTTP/2 preface, are both disconnected once the handshake timeout has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connections_that_never_finish_the_handshake_are_closed() {
+    use std::sync::Arc;
+    use tokio_rustls::rustls;
+    let dir = tempfile::tempdir().unwrap();
+    let ck = rcgen::generate_simple_self_signed(vec![s("localhost")]).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([s("--handshake-timeout-ms"), HANDSHAKE_MS.to_string()]);
+    for (f, p) in [("--tls-cert", &cert), ("--tls-key", &key)] {
+        args.extend([s(f), p.display().to_string()]);
+    }
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    let limit = Duration::from_millis(HANDSHAKE_MS) + MARGIN;
+    let mut silent = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+    assert!(
+        closed_within(&mut silent, limit).await.is_some(),
+        "a client that never started TLS is still connected after {limit:?}"
+    );
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ck.cert.der().clone()).unwrap();
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .expect("TLS handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    assert!(
+        closed_within(&mut tls, limit).await.is_some(),
+        "a TLS client that never sent the HTTP/2 preface is still connected after {limit:?}"
+    );
+    bridge.stop();
+}
+
+/// issue 15 (5): a message above `--max-engine-message` is never delivered: ZMQ refuses it
+/// before allocating it and drops the publisher connection; kvbridge connects again, the batch
+/// becomes a gap that replay cannot fill (the replayed copy is refused too), which is signalled
+/// in band, and later valid messages flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_message_above_the_limit_is_refused_and_the_stream_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([
+        s("--max-engine-message"),
+        s("256KiB"),
+        s("--replay-timeout-ms"),
+        s("300"),
+    ]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    settle();
+    let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
+    let first = publish_stores(&e, 500, 1, 2);
+    let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= first.len()).await;
+    assert_eq!(stored_hashes(&got), first);
+    // One store of 6,000 blocks: about 400 KB of msgpack.
+    let big = store(600, 6000, None);
+    let SimEvent::Stored {
+        hashes: big_hashes, ..
+    } = &big
+    else {
+        unreachable!()
+    };
+    let big_hashes = big_hashes.clone();
+    let payload = encode_batch(L, 1.5, &[big], 0);
+    assert!(payload.len() > 256 << 10, "{} bytes", payload.len());
+    e.with(move |p| p.publish(payload));
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_publisher_disconnects_total", &[("rank", "0")]) >= 1.0
+    });
+    // Until the bridge is subscribed again the PUB drops what it sends: publish small batches
+    // until something arrives.
+    let mut got = Vec::new();
+    for seed in 700.. {
+        publish_stores(&e, seed, 1, 1);
+        match tokio::time::timeout(Duration::from_millis(300), sub.message()).await {
+            Ok(Ok(Some(b))) => {
+                got.push(b);
+                break;
+            }
+            Ok(other) => panic!("stream ended: {other:?}"),
+            Err(_) => assert!(seed < 800, "nothing delivered after the oversized message"),
+        }
+    }
+    let last = publish_stores(&e, 900, 1, 3);
+    got.extend(collect_until(&mut sub, T, |b| stored_hashes(b).ends_with(&last)).await);
+    let delivered = stored_hashes(&got);
+    assert!(delivered.ends_with(&last), "{delivered:?}");
+    assert!(
+        !delivered.iter().any(|h| big_hashes.contains(h)),
+        "the oversized batch was delivered"
+    );
+    assert!(
+        clears(&got) >= 1,
+        "the lost batch was not signalled in band"
+    );
+    let page = scrape(maddr);
+    let rejoins = metric(&page, "kvbridge_publisher_rejoins_total", &[("rank", "0")]);
+    let timed_out = metric(&page, "kvbridge_replays_total", &[("outcome", "timed_out")]);
+    eprintln!(
+        "rejoins {rejoins}, replays timed out {timed_out}, clears {}",
+        clears(&got)
+    );
+    assert!(rejoins >= 1.0, "kvbridge did not connect the SUB again");
+    assert_eq!(
+        metric(&page, "kvbridge_upstream_connected", &[("rank", "0")]),
+        1.0
+    );
+    drop(sub);
+    bridge.stop();
 }

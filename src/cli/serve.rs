@@ -276,10 +276,11 @@ async fn start_on_rings(
     let edge = EdgeOptions {
         tls: cfg.tls.clone(),
         auth_token: cfg.auth_token.clone(),
-        max_streams_per_connection: cfg.max_streams_per_connection,
+        max_streams_per_connection: Some(cfg.max_streams_per_connection),
+        handshake_timeout: Some(cfg.handshake_timeout),
         health: Some(reporter.clone()),
     };
-    let router = crate::fanout::router_with(fanout.clone(), &edge)
+    let edge = crate::fanout::edge(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;
     let server = {
         let mut rx = shutdown_rx;
@@ -289,7 +290,7 @@ async fn start_on_rings(
                 // Let streams deliver their UNAVAILABLE before connections close.
                 tokio::time::sleep(Duration::from_millis(200)).await;
             };
-            if let Err(e) = crate::fanout::serve(listener, router, stop).await {
+            if let Err(e) = edge.serve(listener, stop).await {
                 tracing::error!(error = %e, "gRPC server failed");
             }
         })

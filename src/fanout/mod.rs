@@ -30,7 +30,7 @@ use tonic::Status;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
-pub use service::{router_with, serve, service_names, EdgeOptions};
+pub use service::{edge, service_names, Edge, EdgeOptions};
 
 /// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
 /// bytes as they are, so tonic's codec copies them to the transport buffer without re-encoding.

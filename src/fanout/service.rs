@@ -56,21 +56,30 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Whether `md` carries exactly one `authorization` header holding `Bearer <want>`. The scheme
+/// is matched case-insensitively (RFC 7235 §2.1), the token exactly; a repeated header is
+/// refused, since proxies and servers disagree on which copy counts.
+fn bearer_ok(md: &tonic::metadata::MetadataMap, want: &[u8]) -> bool {
+    let mut values = md.get_all("authorization").iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return false;
+    };
+    let Ok(value) = value.to_str() else {
+        return false;
+    };
+    let Some((scheme, token)) = value.trim().split_once([' ', '\t']) else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer") && constant_time_eq(token.trim().as_bytes(), want)
+}
+
 impl PathHandler {
     /// `authorization: Bearer <token>` when a token is configured; else `UNAUTHENTICATED`.
     fn check_auth(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
         let Some(want) = &self.auth else {
             return Ok(());
         };
-        let ok = md
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let v = v.trim();
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), want));
+        let ok = bearer_ok(md, want);
         if ok {
             return Ok(());
         }
@@ -152,7 +161,7 @@ impl_path!(tokenspeed::token_speed_scheduler_server::TokenSpeedScheduler);
 impl_path!(trtllm::trtllm_service_server::TrtllmService);
 
 /// What the gRPC edge adds around `SubscribeKvEvents`: TLS, a bearer token, the stream limit
-/// per connection and the health service.
+/// per connection, the handshake deadline and the health service.
 #[derive(Clone, Default)]
 pub struct EdgeOptions {
     /// Serve TLS with this certificate chain and key.
@@ -161,6 +170,9 @@ pub struct EdgeOptions {
     pub auth_token: Option<String>,
     /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
     pub max_streams_per_connection: Option<u32>,
+    /// Time an accepted connection has to complete TLS and send the HTTP/2 preface and SETTINGS
+    /// (`None`: [`crate::config::DEFAULT_HANDSHAKE_TIMEOUT_MS`]).
+    pub handshake_timeout: Option<Duration>,
     /// Serve `grpc.health.v1.Health` from this reporter.
     pub health: Option<tonic_health::server::HealthReporter>,
 }
@@ -191,24 +203,45 @@ fn with_path<S: tonic::server::NamedService>(
     new(handler(path_of::<S>()))
 }
 
-/// A tonic router serving `SubscribeKvEvents` on all four SMG paths, identically, plus
-/// reflection, with TLS, the token, the stream limit and health from `opts`.
-pub fn router_with(
-    fanout: Arc<Fanout>,
-    opts: &EdgeOptions,
-) -> Result<tonic::transport::server::Router, tonic::transport::Error> {
+/// The gRPC edge, ready to serve: the router and what wraps every accepted connection.
+pub struct Edge {
+    router: tonic::transport::server::Router,
+    tls: Option<crate::net::Tls>,
+    handshake_timeout: Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// The gRPC edge serving `SubscribeKvEvents` on all four SMG paths, identically, plus
+/// reflection, with TLS, the token, the stream limit, the handshake deadline and health from
+/// `opts`. Fails (with a message about the key pair) only when the TLS files are unusable.
+pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
+    let tls = opts
+        .tls
+        .as_ref()
+        .map(|t| crate::net::Tls::from_pem(&t.cert, &t.key))
+        .transpose()?;
+    let handshake_timeout = opts.handshake_timeout.unwrap_or(Duration::from_millis(
+        crate::config::DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    ));
+    let metrics = fanout.metrics.clone();
+    Ok(Edge {
+        router: router_with(fanout, opts),
+        tls,
+        handshake_timeout,
+        metrics,
+    })
+}
+
+fn router_with(fanout: Arc<Fanout>, opts: &EdgeOptions) -> tonic::transport::server::Router {
     let auth: Option<Arc<[u8]>> = opts.auth_token.as_ref().map(|t| t.as_bytes().into());
     let h = |path: &'static str| PathHandler {
         fanout: fanout.clone(),
         path,
         auth: auth.clone(),
     };
+    // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
+    // deadline (tonic's own TLS would hold a silent client's handshake open forever).
     let mut builder = server_builder().max_concurrent_streams(opts.max_streams_per_connection);
-    if let Some(tls) = &opts.tls {
-        let identity = tonic::transport::Identity::from_pem(&tls.cert, &tls.key);
-        builder =
-            builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))?;
-    }
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -230,39 +263,104 @@ pub fn router_with(
             tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
         ));
     }
-    Ok(router)
+    router
 }
 
 /// Transport settings: SMG pings every 30 s even when idle, so pings are accepted (tonic does not
-/// enforce a ping policy), and kvbridge pings its peers too, to reap dead subscriptions.
+/// enforce a ping policy), and kvbridge pings its peers too, to reap dead subscriptions. (Socket
+/// options are set on each accepted connection by [`crate::net::tune`].)
 fn server_builder() -> tonic::transport::Server {
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .tcp_keepalive(Some(Duration::from_secs(60)))
 }
 
-/// Serves on an already-bound listener until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: tonic::transport::server::Router,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
-    // Our own listener (bound early so an occupied port is a start-up error), so the socket
-    // options tonic would apply to listeners it binds itself are applied here: without
-    // TCP_NODELAY, small batches wait for the peer's delayed ACK (milliseconds of latency).
-    let incoming = tonic::transport::server::TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(Duration::from_secs(60)));
-    router
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+impl Edge {
+    /// Serves on an already-bound listener (bound early, so an occupied port is a start-up
+    /// error) until `shutdown` resolves. Connections come from our own accept loop
+    /// ([`crate::net::Acceptor`]: no spinning when descriptors run out), each wrapped in a
+    /// [`crate::net::EdgeIo`] (TLS, handshake deadline).
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        use crate::net::{tune, Acceptor, EdgeIo};
+        let Edge {
+            router,
+            tls,
+            handshake_timeout,
+            metrics,
+        } = self;
+        let acceptor = Acceptor::new(listener, "grpc", metrics.accept_errors.clone());
+        let timeouts = metrics.handshake_timeouts.clone();
+        let incoming = futures_util::stream::unfold(acceptor, move |mut acceptor| {
+            let (tls, timeouts) = (tls.clone(), timeouts.clone());
+            async move {
+                let sock = acceptor.accept().await;
+                tune(&sock);
+                let io = EdgeIo::new(sock, tls.as_ref(), handshake_timeout, timeouts);
+                Some((Ok::<_, std::io::Error>(io), acceptor))
+            }
+        });
+        router
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn md(values: &[&str]) -> tonic::metadata::MetadataMap {
+        let mut md = tonic::metadata::MetadataMap::new();
+        for v in values {
+            md.append("authorization", v.parse().unwrap());
+        }
+        md
+    }
+
+    /// RFC 7235 §2.1: the scheme is case-insensitive; the token is compared exactly.
+    #[test]
+    fn bearer_scheme_is_case_insensitive_and_the_token_is_not() {
+        for ok in [
+            "Bearer s3cret",
+            "bearer s3cret",
+            "BEARER s3cret",
+            "bEaReR s3cret",
+            "Bearer\ts3cret",
+            "  Bearer   s3cret  ",
+        ] {
+            assert!(bearer_ok(&md(&[ok]), b"s3cret"), "{ok:?} refused");
+        }
+        for bad in [
+            "Bearer S3CRET",
+            "Bearer s3cre",
+            "Bearer s3crett",
+            "Bearers3cret",
+            "Basic s3cret",
+            "s3cret",
+            "Bearer",
+            "Bearer ",
+            "",
+        ] {
+            assert!(!bearer_ok(&md(&[bad]), b"s3cret"), "{bad:?} accepted");
+        }
+        assert!(!bearer_ok(&md(&[]), b"s3cret"), "no header accepted");
+    }
+
+    /// Two `authorization` headers are refused, even when both (or the first) hold the token.
+    #[test]
+    fn a_repeated_authorization_header_is_refused() {
+        for pair in [
+            ["Bearer s3cret", "Bearer s3cret"],
+            ["Bearer s3cret", "Bearer other"],
+            ["Bearer other", "Bearer s3cret"],
+        ] {
+            assert!(!bearer_ok(&md(&pair), b"s3cret"), "{pair:?} accepted");
+        }
+    }
 
     /// Every generated server has its row in the table, and every row a server.
     #[test]

@@ -82,11 +82,14 @@ impl Ingest {
         let stop = Arc::new(AtomicBool::new(false));
         let mut workers = Vec::new();
         for (rank, tgt) in cfg.ranks.iter().zip(targets) {
-            let (sub, monitor) = rank::open_sub(&ctx, rank, cfg.topic.as_bytes())?;
+            let max_message = i64::try_from(cfg.max_engine_message).unwrap_or(i64::MAX);
+            let (sub, monitor) = rank::open_sub(&ctx, rank, cfg.topic.as_bytes(), max_message)?;
             let m = metrics.rank(rank.rank);
             let decoder = Decoder::new(DecodeConfig {
                 split_threshold: cfg.split_threshold as usize,
                 profile: cfg.profile,
+                // One limit: what ZMQ lets through, the decoder accepts.
+                max_payload: cfg.max_engine_message as usize,
                 ..DecodeConfig::default()
             });
             let last = last_upstream.get(&rank.rank).copied();
@@ -94,6 +97,7 @@ impl Ingest {
                 state: RankState::new(last, Limits::default(), m.clone()),
                 sink: RingSink::new(rank.rank, decoder, tgt, m.clone()),
                 monitor,
+                lost_since: None,
                 upstream: upstream.clone(),
                 io: RankIo {
                     rank: rank.clone(),
@@ -102,6 +106,7 @@ impl Ingest {
                     topic: cfg.topic.as_bytes().to_vec(),
                     stop: stop.clone(),
                     replay_timeout: cfg.replay_timeout,
+                    max_message,
                     m,
                 },
             });

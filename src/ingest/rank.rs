@@ -3,11 +3,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::replay::ZmqReplay;
 use super::sink::RingSink;
-use super::upstream::{RankState, ReplaySource};
+use super::upstream::{Pos, RankState, ReplaySource};
 use super::{wire, IngestError};
 use crate::config::RankEndpoint;
 use crate::health::UpstreamState;
@@ -18,7 +18,15 @@ use crate::metrics::RankMetrics;
 const MONITOR_EVENTS: i32 = zmq::SocketEvent::CONNECTED as i32
     | zmq::SocketEvent::ACCEPTED as i32
     | zmq::SocketEvent::DISCONNECTED as i32
-    | zmq::SocketEvent::CLOSED as i32;
+    | zmq::SocketEvent::CLOSED as i32
+    | zmq::SocketEvent::CONNECT_DELAYED as i32
+    | zmq::SocketEvent::CONNECT_RETRIED as i32;
+
+/// How long a connecting SUB may stay disconnected with no reconnect attempt from libzmq before
+/// kvbridge connects it again. libzmq schedules its own reconnect (`CONNECT_RETRIED`) within
+/// milliseconds of an ordinary disconnect, but gives a connection up for good after a protocol
+/// error, such as a message above `ZMQ_MAXMSGSIZE`.
+const REJOIN_AFTER: Duration = Duration::from_secs(1);
 
 /// Creates the rank's SUB with a socket monitor (a PAIR receiving its connection events) attached
 /// before the SUB binds or connects, so no event is missed.
@@ -26,6 +34,7 @@ pub(super) fn open_sub(
     ctx: &zmq::Context,
     rank: &RankEndpoint,
     topic: &[u8],
+    max_message: i64,
 ) -> Result<(zmq::Socket, zmq::Socket), IngestError> {
     let err = |what, source| IngestError::Socket {
         rank: rank.rank,
@@ -36,6 +45,9 @@ pub(super) fn open_sub(
     let sub = ctx.socket(zmq::SUB).map_err(|e| err("create SUB", e))?;
     // docs/engine-wire.md §1: the engine's PUB drops silently when our pipe is full.
     sub.set_rcvhwm(100_000).map_err(|e| err("set RCVHWM", e))?;
+    // A larger message is refused before it is allocated, and its connection dropped.
+    sub.set_maxmsgsize(max_message)
+        .map_err(|e| err("set MAXMSGSIZE", e))?;
     sub.set_linger(0).map_err(|e| err("set LINGER", e))?;
     sub.set_ipv6(true).map_err(|e| err("enable IPv6", e))?;
     sub.set_subscribe(topic).map_err(|e| err("subscribe", e))?;
@@ -73,6 +85,8 @@ fn parse_monitor_event(frames: &[Vec<u8>]) -> Option<(u16, String)> {
 pub(super) struct RankWorker {
     pub(super) io: RankIo,
     pub(super) monitor: zmq::Socket,
+    /// Connecting SUB only: when the publisher connection dropped with no reconnect under way.
+    pub(super) lost_since: Option<Instant>,
     pub(super) upstream: Arc<UpstreamState>,
     pub(super) state: RankState,
     pub(super) sink: RingSink,
@@ -86,6 +100,8 @@ pub(super) struct RankIo {
     pub(super) topic: Vec<u8>,
     pub(super) stop: Arc<AtomicBool>,
     pub(super) replay_timeout: Duration,
+    /// `ZMQ_MAXMSGSIZE` for the SUB and the replay DEALER.
+    pub(super) max_message: i64,
     pub(super) m: RankMetrics,
 }
 
@@ -151,6 +167,7 @@ impl RankWorker {
             if events {
                 self.drain_monitor();
             }
+            self.rejoin_if_abandoned();
             if !data {
                 continue;
             }
@@ -181,6 +198,12 @@ impl RankWorker {
                     }
                 };
                 let payload: &[u8] = &bufs[2];
+                if matches!(self.state.pos(), Pos::Last(l) if seq <= l) {
+                    // Repeat or restart depends on whether the publisher reconnected meanwhile:
+                    // make sure its connection events are in before deciding (the monitor sees
+                    // a connection before any message can arrive on it).
+                    self.drain_monitor();
+                }
                 let mut rep = self.io.replay();
                 let rep = rep.as_mut().map(|r| r as &mut dyn ReplaySource);
                 self.state.on_live(seq, payload, &mut self.sink, rep);
@@ -193,6 +216,28 @@ impl RankWorker {
 }
 
 impl RankWorker {
+    /// Connects the SUB again when libzmq gave its connection up (see [`REJOIN_AFTER`]).
+    fn rejoin_if_abandoned(&mut self) {
+        if self.lost_since.is_none_or(|t| t.elapsed() < REJOIN_AFTER) {
+            return;
+        }
+        self.lost_since = None;
+        let (rank, endpoint) = (self.io.rank.rank, self.io.rank.endpoint.as_str());
+        // The old session is gone already; disconnecting only clears its endpoint entry.
+        let _ = self.io.sub.disconnect(endpoint);
+        match self.io.sub.connect(endpoint) {
+            Ok(()) => {
+                self.io.m.rejoins.inc();
+                tracing::warn!(rank, endpoint,
+                    "reconnecting to the engine publisher: libzmq dropped the connection for a protocol error (a message above --max-engine-message?)");
+            }
+            Err(e) => {
+                tracing::error!(rank, endpoint, error = %e, "cannot reconnect to the engine publisher");
+                self.lost_since = Some(Instant::now());
+            }
+        }
+    }
+
     /// Applies every pending socket monitor event to the shared upstream state and metrics.
     fn drain_monitor(&mut self) {
         while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
@@ -202,12 +247,17 @@ impl RankWorker {
             let rank = self.io.rank.rank;
             match zmq::SocketEvent::from_raw(event) {
                 zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
+                    self.lost_since = None;
                     self.io.m.connects.inc();
+                    self.state.on_reconnect();
                     let n = self.upstream.on_connect(rank);
                     self.io.m.connected.set(n);
                     tracing::info!(rank, %endpoint, connections = n, "engine publisher connected");
                 }
                 zmq::SocketEvent::DISCONNECTED => {
+                    if !self.io.rank.bind {
+                        self.lost_since = Some(Instant::now());
+                    }
                     self.io.m.disconnects.inc();
                     let n = self.upstream.on_disconnect(rank);
                     self.io.m.connected.set(n);
@@ -215,8 +265,13 @@ impl RankWorker {
                         // Our own shutdown closing the connection is not an upstream problem.
                         tracing::debug!(rank, %endpoint, connections = n, "engine publisher disconnected");
                     } else {
-                        tracing::warn!(rank, %endpoint, connections = n, "engine publisher disconnected");
+                        tracing::warn!(rank, %endpoint, connections = n,
+                            "engine publisher disconnected (engine gone, or a message above --max-engine-message)");
                     }
+                }
+                zmq::SocketEvent::CONNECT_DELAYED | zmq::SocketEvent::CONNECT_RETRIED => {
+                    // libzmq is reconnecting by itself.
+                    self.lost_since = None;
                 }
                 other => {
                     tracing::debug!(rank, %endpoint, event = ?other, "socket event");

@@ -47,6 +47,8 @@ impl ReplaySource for ZmqReplay<'_> {
             d.set_linger(0)?;
             d.set_ipv6(true)?;
             d.set_rcvhwm(0)?;
+            // An oversized reply closes this DEALER's connection: the replay then times out.
+            d.set_maxmsgsize(self.io.max_message)?;
             d.connect(self.endpoint)?;
             Ok(d)
         }) {

@@ -67,7 +67,9 @@ impl Sink for RingSink {
     fn apply(&mut self, seq: u64, payload: &[u8]) {
         self.m.batches.inc();
         if payload.is_empty() {
-            // Its seq is valid, so it is a lost batch (docs/engine-wire.md §1).
+            // Only replay gets here with one (live ones are dropped before the state machine):
+            // the engine's own copy is empty too, so the batch is lost for good
+            // (docs/engine-wire.md §1).
             self.m.frame_dropped("empty_payload");
             self.clear(seq, ClearCause::Undecodable);
             return;

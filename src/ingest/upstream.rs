@@ -79,6 +79,9 @@ pub struct RankState {
     pos: Pos,
     limits: Limits,
     m: RankMetrics,
+    /// The publisher (re)connected since `last` was applied: a seq ≤ `last` is then a restart,
+    /// not a repeated frame (docs/engine-wire.md §8).
+    reconnected: bool,
 }
 
 impl RankState {
@@ -90,7 +93,14 @@ impl RankState {
             pos,
             limits,
             m: metrics,
+            reconnected: false,
         }
+    }
+
+    /// The publisher connection was (re)established (the SUB's socket monitor saw it): until the
+    /// next batch is applied, a seq ≤ `last` means the engine restarted.
+    pub fn on_reconnect(&mut self) {
+        self.reconnected = true;
     }
 
     /// Current position.
@@ -127,12 +137,25 @@ impl RankState {
         rep: Option<&mut dyn ReplaySource>,
         may_replay: bool,
     ) {
+        if payload.is_empty() {
+            // Dropped and counted before anything else: it never moves `last`, so a batch that
+            // follows with the same seq is simply applied, and one with a later seq reveals the
+            // lost batch as a gap (docs/engine-wire.md §1, §8).
+            self.m.frame_dropped("empty_payload");
+            return;
+        }
         match self.pos {
             Pos::AcceptAny => self.apply(s, payload, sink),
             Pos::Fresh if s == 0 => self.apply(s, payload, sink),
             Pos::Last(l) if s == l + 1 => self.apply(s, payload, sink),
+            Pos::Last(l) if s == l && !self.reconnected => {
+                // The same connection delivered `last` again: a healthy publisher never does,
+                // but relays and test tools can. Not a restart: drop it.
+                self.m.repeated.inc();
+            }
             Pos::Last(l) if s <= l => {
-                // A publisher never repeats a seq: the engine restarted, and its cache is empty.
+                // Going backwards (or repeating `last` on a new connection): the engine
+                // restarted, and its cache is empty.
                 self.m.restarts.inc();
                 self.clear(sink, s, ClearCause::EngineRestart);
                 self.pos = Pos::Fresh;
@@ -161,6 +184,7 @@ impl RankState {
     fn apply(&mut self, s: u64, payload: &[u8], sink: &mut dyn Sink) {
         sink.apply(s, payload);
         self.pos = Pos::Last(s);
+        self.reconnected = false;
         self.m.last_seq.set(s as i64);
     }
 
@@ -315,6 +339,147 @@ mod tests {
 
     fn state(last: Option<u64>) -> RankState {
         RankState::new(last, Limits::default(), Metrics::new().rank(0))
+    }
+
+    /// A state machine and the registry its counters live in.
+    fn state_with_metrics() -> (RankState, Metrics) {
+        let m = Metrics::new();
+        (RankState::new(None, Limits::default(), m.rank(0)), m)
+    }
+
+    #[test]
+    fn a_repeated_seq_on_the_same_connection_is_dropped_not_a_restart() {
+        let (mut st, m) = state_with_metrics();
+        let mut sink = Rec::default();
+        st.on_reconnect();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(1, b"b", &mut sink, None);
+        st.on_live(1, b"b", &mut sink, None);
+        st.on_live(2, b"c", &mut sink, None);
+        assert_eq!(sink.0, ["0:a", "1:b", "2:c"]);
+        assert_eq!(m.repeated_frames.with_label_values(&["0"]).get(), 1);
+        assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
+        assert_eq!(st.pos(), Pos::Last(2));
+    }
+
+    #[test]
+    fn the_last_seq_again_after_a_reconnect_is_a_restart() {
+        let (mut st, m) = state_with_metrics();
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(1, b"b", &mut sink, None);
+        st.on_reconnect();
+        st.on_live(1, b"n", &mut sink, None);
+        assert_eq!(
+            sink.0,
+            [
+                "0:a",
+                "1:b",
+                "clear:engine_restart",
+                "clear:unfillable_gap",
+                "1:n"
+            ]
+        );
+        assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
+        assert_eq!(m.repeated_frames.with_label_values(&["0"]).get(), 0);
+        // The reconnect is used up once a batch is applied: a repeat now is a repeat.
+        st.on_live(1, b"n", &mut sink, None);
+        assert_eq!(sink.0.len(), 5);
+        assert_eq!(m.repeated_frames.with_label_values(&["0"]).get(), 1);
+    }
+
+    #[test]
+    fn a_lower_seq_is_a_restart_with_or_without_a_reconnect() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        for s in 0..4 {
+            st.on_live(s, b"x", &mut sink, None);
+        }
+        st.on_live(0, b"n", &mut sink, None);
+        assert_eq!(sink.0[4..], ["clear:engine_restart", "0:n"]);
+        st.on_live(1, b"n", &mut sink, None);
+        st.on_reconnect();
+        st.on_live(0, b"m", &mut sink, None);
+        assert_eq!(sink.0[7..], ["clear:engine_restart", "0:m"]);
+    }
+
+    #[test]
+    fn an_empty_payload_never_moves_last() {
+        let (mut st, m) = state_with_metrics();
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(1, b"", &mut sink, None);
+        assert_eq!(st.pos(), Pos::Last(0));
+        // The same seq with a payload is the batch itself: applied, nothing cleared.
+        st.on_live(1, b"b", &mut sink, None);
+        assert_eq!(sink.0, ["0:a", "1:b"]);
+        let dropped = m
+            .frames_dropped
+            .with_label_values(&["0", "empty_payload"])
+            .get();
+        assert_eq!(dropped, 1);
+        assert_eq!(m.batches_received.with_label_values(&["0"]).get(), 0);
+        // An empty payload at the start does not make the first batch look like a restart.
+        let (mut st, _) = state_with_metrics();
+        let mut sink = Rec::default();
+        st.on_live(0, b"", &mut sink, None);
+        assert_eq!(st.pos(), Pos::Fresh);
+        st.on_live(0, b"a", &mut sink, None);
+        assert_eq!(sink.0, ["0:a"]);
+    }
+
+    #[test]
+    fn an_empty_live_payload_during_a_replay_does_not_move_last_either() {
+        // Live 2 reveals the gap at 1; live 3 (empty) and 3 (the batch) arrive while the
+        // replay of 1 runs.
+        struct Rep;
+        impl ReplaySource for Rep {
+            fn replay(
+                &mut self,
+                from: u64,
+                batch: &mut dyn FnMut(u64, &[u8]),
+                live: &mut dyn FnMut(u64, Vec<u8>),
+            ) -> ReplayEnd {
+                live(3, Vec::new());
+                live(3, b"c".to_vec());
+                batch(from, b"r");
+                ReplayEnd::Complete
+            }
+        }
+        let (mut st, m) = state_with_metrics();
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(2, b"b", &mut sink, Some(&mut Rep));
+        assert_eq!(sink.0, ["0:a", "1:r", "2:b", "3:c"]);
+        let dropped = m
+            .frames_dropped
+            .with_label_values(&["0", "empty_payload"])
+            .get();
+        assert_eq!(dropped, 1);
+    }
+
+    #[test]
+    fn an_empty_payload_followed_by_the_next_seq_is_a_lost_batch() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(1, b"", &mut sink, None);
+        st.on_live(2, b"c", &mut sink, None);
+        assert_eq!(sink.0, ["0:a", "clear:unfillable_gap", "2:c"]);
+        // With a replay endpoint the engine's copy of the batch fills the gap.
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        st.on_live(0, b"a", &mut sink, None);
+        st.on_live(1, b"", &mut sink, None);
+        let mut eng = Engine {
+            have: vec![0, 1],
+            end: ReplayEnd::Complete,
+            live: vec![],
+            requests: vec![],
+        };
+        st.on_live(2, b"c", &mut sink, Some(&mut eng));
+        assert_eq!(eng.requests, [1]);
+        assert_eq!(sink.0, ["0:a", "1:r", "2:c"]);
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub publisher_disconnects: IntCounterVec,
     /// Publisher connections currently up, per rank.
     pub upstream_connected: IntGaugeVec,
+    /// Connecting SUBs connected again by kvbridge after libzmq gave the connection up, per rank.
+    pub publisher_rejoins: IntCounterVec,
     /// Health status served on grpc.health.v1 (1 SERVING, 0 NOT_SERVING).
     pub health_serving: IntGauge,
     /// Ring capacity in bytes, per ring.
@@ -56,8 +58,14 @@ pub struct Metrics {
     pub slow_disconnects: IntCounterVec,
     /// Calls rejected for a missing or wrong bearer token.
     pub auth_failures: IntCounter,
+    /// `accept(2)` failures, per listener (`grpc`, `metrics`) and kind (`emfile`, …).
+    pub accept_errors: IntCounterVec,
+    /// gRPC connections closed for not completing TLS / the HTTP/2 preface in time.
+    pub handshake_timeouts: IntCounter,
     /// Duplicates dropped while merging replay and live, per rank.
     pub duplicates_dropped: IntCounterVec,
+    /// Live frames repeating the last applied engine seq on the same connection, per rank.
+    pub repeated_frames: IntCounterVec,
     /// Batches whose own rank element differs from the socket's rank.
     pub rank_mismatch: IntCounterVec,
     /// Last engine sequence applied, per rank.
@@ -206,6 +214,12 @@ impl Metrics {
                 "Engine publisher disconnects",
                 &["rank"],
             ),
+            publisher_rejoins: counter(
+                &r,
+                "publisher_rejoins_total",
+                "Publisher connections kvbridge re-established after libzmq dropped them for a protocol error (e.g. a message above --max-engine-message)",
+                &["rank"],
+            ),
             upstream_connected: gauge(
                 &r,
                 "upstream_connected",
@@ -264,10 +278,31 @@ impl Metrics {
                 r.register(Box::new(c.clone())).expect("unique");
                 c
             },
+            accept_errors: counter(
+                &r,
+                "accept_errors_total",
+                "Failed accept(2) calls by listener and kind (emfile, enfile, nomem, connection, other)",
+                &["listener", "kind"],
+            ),
+            handshake_timeouts: {
+                let c = IntCounter::new(
+                    "handshake_timeouts_total",
+                    "gRPC connections closed for not completing TLS and the HTTP/2 preface in time",
+                )
+                .expect("metric");
+                r.register(Box::new(c.clone())).expect("unique");
+                c
+            },
             duplicates_dropped: counter(
                 &r,
                 "duplicates_dropped_total",
                 "Duplicate batches dropped",
+                &["rank"],
+            ),
+            repeated_frames: counter(
+                &r,
+                "repeated_frames_total",
+                "Live frames repeating the last applied engine seq without a reconnect (dropped)",
                 &["rank"],
             ),
             rank_mismatch: counter(
@@ -331,7 +366,9 @@ impl Metrics {
             connects: self.publisher_connects.with_label_values(&l),
             disconnects: self.publisher_disconnects.with_label_values(&l),
             connected: self.upstream_connected.with_label_values(&l),
+            rejoins: self.publisher_rejoins.with_label_values(&l),
             duplicates: self.duplicates_dropped.with_label_values(&l),
+            repeated: self.repeated_frames.with_label_values(&l),
             replayed: self.replayed_batches.with_label_values(&l),
             rank_mismatch: self.rank_mismatch.with_label_values(&l),
             last_seq: self.last_upstream_seq.with_label_values(&l),
@@ -366,8 +403,12 @@ pub struct RankMetrics {
     pub disconnects: IntCounter,
     /// Publisher connections up.
     pub connected: IntGauge,
+    /// Publisher connections re-established after libzmq gave them up.
+    pub rejoins: IntCounter,
     /// Duplicates dropped.
     pub duplicates: IntCounter,
+    /// Live frames repeating the last applied seq (dropped).
+    pub repeated: IntCounter,
     /// Batches recovered by replay.
     pub replayed: IntCounter,
     /// Rank element differs from the socket's rank.
@@ -418,10 +459,10 @@ impl RankMetrics {
 
 /// Serves the metrics page on `addr` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>) {
+    let mut acceptor =
+        crate::net::Acceptor::new(listener, "metrics", metrics.accept_errors.clone());
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
+        let mut sock = acceptor.accept().await;
         let m = metrics.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];

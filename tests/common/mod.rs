@@ -126,19 +126,47 @@ impl Bridge {
     }
 
     pub fn start_args(dir: &Path, grpc: SocketAddr, shm: &Path, args: Vec<String>) -> Bridge {
+        Self::start_limited(dir, grpc, shm, args, None)
+    }
+
+    /// As [`Bridge::start_args`], with `RLIMIT_NOFILE` set to `nofile` (soft and hard) in the
+    /// child when given.
+    pub fn start_limited(
+        dir: &Path,
+        grpc: SocketAddr,
+        shm: &Path,
+        args: Vec<String>,
+        nofile: Option<u64>,
+    ) -> Bridge {
+        use std::os::unix::process::CommandExt;
         let stderr_log = dir.join(format!("bridge-{}.log", grpc.port()));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&stderr_log)
             .unwrap();
-        let child = Command::new(bin())
-            .args(&args)
+        let mut cmd = Command::new(bin());
+        cmd.args(&args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn kvbridge");
+            .stderr(log);
+        if let Some(n) = nofile {
+            // SAFETY: runs in the forked child before exec and only calls setrlimit(2), which is
+            // async-signal-safe; the struct lives on this closure's stack.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().expect("spawn kvbridge");
         let b = Bridge {
             child,
             grpc,
@@ -357,10 +385,39 @@ impl Bridge {
     /// Starts `kvbridge serve` with `extra` flags, a fresh gRPC port and metrics on a fresh port
     /// (returned), and waits until gRPC accepts connections.
     pub fn start_with_metrics(dir: &Path, shm: &Path, extra: &[String]) -> (Bridge, SocketAddr) {
+        Self::start_with_metrics_limited(dir, shm, extra, None)
+    }
+
+    /// As [`Bridge::start_with_metrics`], with `RLIMIT_NOFILE` = `nofile` when given.
+    pub fn start_with_metrics_limited(
+        dir: &Path,
+        shm: &Path,
+        extra: &[String],
+        nofile: Option<u64>,
+    ) -> (Bridge, SocketAddr) {
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let args = serve_args(grpc, shm, &metrics.to_string(), extra);
-        (Self::start_args(dir, grpc, shm, args), metrics)
+        (Self::start_limited(dir, grpc, shm, args, nofile), metrics)
+    }
+
+    /// CPU time (user + system) the process has used so far.
+    pub fn cpu_time(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        // SAFETY: sysconf has no memory-safety preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        Duration::from_millis(ticks * 1000 / hz)
+    }
+
+    /// Open file descriptors of the process.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|d| d.count())
+            .unwrap_or(0)
     }
 }
 
