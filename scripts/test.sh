@@ -26,10 +26,12 @@ bash scripts/check-standalone.sh
 
 echo "== standalone copy: cargo test --release --workspace"
 # A copy of the tracked files (as a clone would have them) in a folder with no siblings. The
-# target directory is shared with the checkout so dependencies are not built twice.
+# target directory is shared with the checkout so dependencies are not built twice; `--touch`
+# gives the copies fresh mtimes, so cargo rebuilds the workspace crates from the copy instead of
+# taking the checkout's artifacts as up to date.
 ALONE=$(mktemp -d /tmp/kvbridge-alone.XXXXXX)
 trap 'rm -rf "$ALONE"' EXIT
-git ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 tar cf -) | tar xf - -C "$ALONE"
+git ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 tar cf -) | tar xf - --touch -C "$ALONE"
 test ! -e "$ALONE/../shared" || { echo "standalone copy has a sibling shared/"; exit 1; }
 (cd "$ALONE" && cargo test --release --workspace)
 
