@@ -1672,3 +1672,91 @@ async fn an_engine_message_above_the_limit_is_refused_and_the_stream_goes_on() {
     drop(sub);
     bridge.stop();
 }
+
+/// Resident memory of a process, from /proc.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// issue 15 (4), a measurement rather than a check (run with `--ignored --nocapture`): the
+/// bridge's resident memory per open stream, with 1,000 streams from S = 0 on one connection
+/// over a ring holding a serving workload, each stream having caught up with the ring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement; prints the figure"]
+async fn memory_per_stream_on_one_connection() {
+    // KVBRIDGE_MEM_STREAMS / KVBRIDGE_MEM_BATCHES vary the scenario (above 8,192 batches the
+    // oldest records are read from the ring rather than the recent-record cache).
+    let knob = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let streams_wanted = knob("KVBRIDGE_MEM_STREAMS", 1000);
+    let batches_wanted = knob("KVBRIDGE_MEM_BATCHES", 300);
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = engine_args(&e);
+    args.extend([
+        s("--max-streams-per-connection"),
+        streams_wanted.to_string(),
+    ]);
+    let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    settle();
+    let batches = workload_batches(7, batches_wanted);
+    let n = batches.len();
+    for (i, b) in batches.into_iter().enumerate() {
+        e.publish(layout(i), b, 0);
+    }
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_batches_received_total", &[("rank", "0")]) >= n as f64
+    });
+    // A client with tonic's default HTTP/2 windows, as gateways have.
+    let ch = channel(&bridge.url()).await;
+    // Warm up one stream through the whole ring so one-off allocations are not counted.
+    let mut first = VllmEngineClient::new(ch.clone())
+        .subscribe_kv_events(req(0))
+        .await
+        .unwrap()
+        .into_inner();
+    collect_until(&mut first, T, |b| b.len() >= n).await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = bridge.child.id();
+    let before = rss_kib(pid);
+    let calls = (0..streams_wanted).map(|_| {
+        let ch = ch.clone();
+        async move {
+            let mut s = VllmEngineClient::new(ch)
+                .subscribe_kv_events(req(0))
+                .await
+                .unwrap()
+                .into_inner();
+            collect_until(&mut s, T, |b| b.len() >= n).await;
+            s
+        }
+    });
+    let streams = futures_util::future::join_all(calls).await;
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_subscribers", &[]) == streams_wanted as f64
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = rss_kib(pid);
+    eprintln!(
+        "RSS before {before} KiB, with {streams_wanted} streams {after} KiB: {:.1} KiB per stream \
+         ({n} batches, {} bytes in the ring)",
+        (after.saturating_sub(before)) as f64 / streams_wanted as f64,
+        metric(
+            &scrape(maddr),
+            "kvbridge_ring_used_bytes",
+            &[("ring", "merged")]
+        )
+    );
+    drop(streams);
+    bridge.stop();
+}

@@ -228,7 +228,6 @@ impl Fanout {
             next,
             path,
             shutdown: self.shutdown.clone(),
-            scratch: Vec::new(),
             done: false,
             last_ingest_ns: 0,
             metrics: self.metrics.clone(),
@@ -285,7 +284,6 @@ pub struct Subscription {
     next: u64,
     path: &'static str,
     shutdown: tokio::sync::watch::Receiver<bool>,
-    scratch: Vec<u8>,
     done: bool,
     last_ingest_ns: u64,
     metrics: Arc<Metrics>,
@@ -349,12 +347,15 @@ impl Subscription {
                 ReadOutcome::Record(v) => {
                     debug_assert_eq!(v.seq(), self.next);
                     let ingest_ns = v.meta().ingest_ns;
-                    if !v.copy_to(&mut self.scratch) {
+                    // Copied straight into the buffer handed to the transport: one copy, and
+                    // nothing the size of the largest record kept per subscriber afterwards.
+                    let mut record = Vec::new();
+                    if !v.copy_to(&mut record) {
                         continue; // overwritten during the copy: the seek above reports it
                     }
                     self.last_ingest_ns = ingest_ns;
                     self.next += 1;
-                    return Ok(EncodedBatch(Bytes::copy_from_slice(&self.scratch)));
+                    return Ok(EncodedBatch(Bytes::from(record)));
                 }
                 ReadOutcome::Lapped { resume_at, .. } => return Err(self.lapped(resume_at)),
                 ReadOutcome::Corrupt { seq, .. } => return Err(self.corrupt(seq)),
