@@ -319,6 +319,21 @@ mod tests {
         live: Vec<u64>,
         requests: Vec<u64>,
     }
+    impl Engine {
+        /// An engine whose replay buffer holds `have` and ends with `end`.
+        fn new(have: &[u64], end: ReplayEnd) -> Self {
+            Self::with_live(have, end, &[])
+        }
+        /// As [`Engine::new`], with `live` batches arriving while it replays.
+        fn with_live(have: &[u64], end: ReplayEnd, live: &[u64]) -> Self {
+            Engine {
+                have: have.to_vec(),
+                end,
+                live: live.to_vec(),
+                requests: vec![],
+            }
+        }
+    }
     impl ReplaySource for Engine {
         fn replay(
             &mut self,
@@ -471,12 +486,7 @@ mod tests {
         let mut sink = Rec::default();
         st.on_live(0, b"a", &mut sink, None);
         st.on_live(1, b"", &mut sink, None);
-        let mut eng = Engine {
-            have: vec![0, 1],
-            end: ReplayEnd::Complete,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[0, 1], ReplayEnd::Complete);
         st.on_live(2, b"c", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [1]);
         assert_eq!(sink.0, ["0:a", "1:r", "2:c"]);
@@ -517,12 +527,7 @@ mod tests {
         st.on_live(0, b"a", &mut sink, None);
         // Live 4 arrives after a drop of 1..=3; meanwhile 5 and 6 arrive live, and the replay
         // returns 1..=5 (overlapping live 4 and 5).
-        let mut eng = Engine {
-            have: vec![0, 1, 2, 3, 4, 5],
-            end: ReplayEnd::Complete,
-            live: vec![5, 6],
-            requests: vec![],
-        };
+        let mut eng = Engine::with_live(&[0, 1, 2, 3, 4, 5], ReplayEnd::Complete, &[5, 6]);
         st.on_live(4, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [1]);
         assert_eq!(sink.0, ["0:a", "1:r", "2:r", "3:r", "4:r", "5:r", "6:l"]);
@@ -532,12 +537,7 @@ mod tests {
     fn missing_history_clears_before_the_first_replayed_batch() {
         let mut st = state(Some(10));
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![20, 21],
-            end: ReplayEnd::Complete,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[20, 21], ReplayEnd::Complete);
         st.on_live(22, b"l", &mut sink, Some(&mut eng));
         assert_eq!(sink.0, ["clear:missing_history", "20:r", "21:r", "22:l"]);
     }
@@ -546,12 +546,7 @@ mod tests {
     fn burned_seq_inside_replay_is_a_hole() {
         let mut st = state(Some(0));
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![1, 3],
-            end: ReplayEnd::Complete,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[1, 3], ReplayEnd::Complete);
         st.on_live(4, b"l", &mut sink, Some(&mut eng));
         assert_eq!(sink.0, ["1:r", "clear:missing_history", "3:r", "4:l"]);
     }
@@ -560,12 +555,7 @@ mod tests {
     fn timed_out_replay_retries_then_gives_up_in_band() {
         let mut st = state(Some(0));
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![],
-            end: ReplayEnd::TimedOut,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[], ReplayEnd::TimedOut);
         st.on_live(3, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [1, 1, 1]);
         assert_eq!(sink.0, ["clear:unfillable_gap", "3:l"]);
@@ -608,12 +598,7 @@ mod tests {
     fn slow_joiner_replays_from_zero() {
         let mut st = state(None);
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![0, 1],
-            end: ReplayEnd::Complete,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[0, 1], ReplayEnd::Complete);
         st.on_live(2, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [0]);
         assert_eq!(sink.0, ["0:r", "1:r", "2:l"]);
@@ -623,24 +608,14 @@ mod tests {
     fn catch_up_on_connect_asks_after_what_the_ring_holds() {
         let mut st = state(Some(7));
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![6, 7, 8, 9],
-            end: ReplayEnd::Complete,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[6, 7, 8, 9], ReplayEnd::Complete);
         st.catch_up(&mut sink, &mut eng);
         assert_eq!(eng.requests, [8]);
         assert_eq!(sink.0, ["8:r", "9:r"]);
         // A silent replay endpoint at start-up is not itself a loss.
         let mut st = state(None);
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![],
-            end: ReplayEnd::TimedOut,
-            live: vec![],
-            requests: vec![],
-        };
+        let mut eng = Engine::new(&[], ReplayEnd::TimedOut);
         st.catch_up(&mut sink, &mut eng);
         assert!(sink.0.is_empty());
         assert_eq!(st.pos(), Pos::Fresh);
@@ -657,12 +632,7 @@ mod tests {
             Metrics::new().rank(0),
         );
         let mut sink = Rec::default();
-        let mut eng = Engine {
-            have: vec![1, 2],
-            end: ReplayEnd::Complete,
-            live: vec![4, 5, 6],
-            requests: vec![],
-        };
+        let mut eng = Engine::with_live(&[1, 2], ReplayEnd::Complete, &[4, 5, 6]);
         st.on_live(3, b"l", &mut sink, Some(&mut eng));
         assert_eq!(sink.0, ["1:r", "2:r", "clear:replay_overflow"]);
         assert_eq!(st.pos(), Pos::AcceptAny);
