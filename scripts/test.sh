@@ -18,6 +18,14 @@ cargo fmt --all --check
 echo "== cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+# python/ (the PyO3 extension module) is outside the workspace (see python/Cargo.toml): its own
+# fmt and clippy, configured against the pinned venv's interpreter.
+echo "== python/: cargo fmt --check, cargo clippy -D warnings"
+cargo fmt --manifest-path python/Cargo.toml --check
+PYSHM_PY=$(bash scripts/python-shm-venv.sh | tail -1)
+PYO3_PYTHON="$PYSHM_PY" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/pyshm-build" \
+    cargo clippy --manifest-path python/Cargo.toml --release -- -D warnings
+
 echo "== cargo doc --workspace --no-deps (RUSTDOCFLAGS=-D warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 
