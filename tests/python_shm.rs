@@ -10,8 +10,9 @@
 //!   file is mapped read-only in the Python process;
 //! * a reader lapped by the writer gets `Lapped` with `resume_at` = the oldest retained record
 //!   and `missed` = `resume_at - wanted`, then reads `resume_at`;
-//! * the writer SIGKILLed → `WriterGone` carrying the position; restarted on the same ring →
-//!   the same reader object continues at N + 1 without a gap.
+//! * the writer SIGKILLed → `WriterGone` carrying the position; the reader then waits (60 s
+//!   timeout) while the writer is still dead, is woken by the restarted writer on the same ring
+//!   and continues at N + 1 without a gap.
 
 mod common;
 
@@ -430,7 +431,6 @@ async fn python_reader_sees_writer_gone_on_sigkill_and_continues_at_n_plus_1_aft
     drop(bridge);
     let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
     settle();
-    p.cue("restarted");
     publish_until(&e, &ring, n, n + more, 2);
     let want = grpc_raw(&bridge.url(), n, more as usize).await;
     for seq in n + 1..=n + more {

@@ -233,7 +233,8 @@ impl Reader {
         let inner = &mut *g;
         // Fast path with the GIL held: a record is usually already there.
         let mut got = inner.take(Duration::ZERO);
-        if matches!(got, Got::Empty) && timeout != Some(Duration::ZERO) {
+        // Empty or gone: wait (a writer restarting within the timeout is waited for).
+        if matches!(got, Got::Empty | Got::Gone) && timeout != Some(Duration::ZERO) {
             let deadline = timeout.map(|t| Instant::now() + t);
             loop {
                 let slice = match deadline {
