@@ -6,8 +6,8 @@
 //!
 //! * every record read in Python equals, byte for byte, the message gRPC delivers for the same
 //!   sequence number (raw-bytes gRPC client), metadata included; reading resumes from the middle
-//!   (`seek`); `parse_batch` decodes through the published smg-grpc-proto classes; the ring
-//!   file is mapped read-only in the Python process;
+//!   (`seek`); `parse_batch` decodes through the published smg-grpc-proto classes; waiting
+//!   releases the GIL; the ring file is mapped read-only in the Python process;
 //! * a reader lapped by the writer gets `Lapped` with `resume_at` = the oldest retained record
 //!   and `missed` = `resume_at - wanted`, then reads `resume_at`;
 //! * the writer SIGKILLed → `WriterGone` carrying the position; the reader then waits (60 s
@@ -320,6 +320,12 @@ async fn python_reader_equals_grpc_bytes_resumes_from_the_middle_and_maps_read_o
                 se["newest"].as_u64()
             ),
             (Some(n + 5), Some(1), Some(n))
+        );
+        let gil = p.expect("gil");
+        assert!(
+            gil["spins"].as_u64().unwrap() > 1000 && gil["busy"].as_u64().unwrap() > 0,
+            "another Python thread ran while a reader waited (GIL released), and was refused \
+             the busy reader: {gil}"
         );
         let maps = p.expect("maps");
         let ring_maps = maps["ring"].as_array().unwrap();

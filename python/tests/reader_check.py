@@ -9,6 +9,7 @@ shows.
 import argparse
 import json
 import sys
+import threading
 
 import kvbridge_shm
 
@@ -76,6 +77,30 @@ def mode_dump(a):
         emit(event="seek_error", requested=e.requested, oldest=e.oldest, newest=e.newest)
     else:
         raise SystemExit("seek past newest + 1 was accepted")
+    # Waiting releases the GIL: while a thread waits in next() (nothing is published, so it
+    # waits the full second), this thread keeps running, and a call into the same Reader from
+    # here is refused (RuntimeError) instead of blocking.
+    w = kvbridge_shm.Reader(a.ring)
+    w.seek(newest + 1)
+    started, done = threading.Event(), threading.Event()
+
+    def waiter():
+        started.set()
+        w.next(timeout=1.0)
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait()
+    spins, busy = 0, 0
+    while not done.is_set():
+        spins += 1
+        try:
+            w.window()
+        except RuntimeError:
+            busy += 1
+    t.join()
+    emit(event="gil", spins=spins, busy=busy)
     # The reader cannot write the ring: every mapping of the ring file is read-only. Only the
     # `.wake` side file (a futex waiter count) is mapped writable.
     emit(
