@@ -299,6 +299,8 @@ async fn python_reader_equals_grpc_bytes_resumes_from_the_middle_and_maps_read_o
             (Some(1), Some(n))
         );
         assert_eq!(w["position"], 1, "a new reader starts at the oldest record");
+        assert_eq!(w["path"], ring.display().to_string());
+        assert_eq!(w["alive"], true);
         let first = start.unwrap_or(1);
         for seq in first..=n {
             let r = p.expect("record");

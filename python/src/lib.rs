@@ -366,10 +366,10 @@ impl Reader {
         Ok(self.lock()?.reader.ring_id())
     }
 
-    /// The ring file's path.
+    /// The ring file's path, as given to the constructor.
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path(&self) -> String {
+        self.path.to_string_lossy().into_owned()
     }
 
     /// Whether the writer process is alive (clean close: at once; killed: within ~250 ms).

@@ -58,7 +58,8 @@ def mappings_of(path):
 def mode_dump(a):
     r = kvbridge_shm.Reader(a.ring)
     oldest, newest = r.window()
-    emit(event="window", oldest=oldest, newest=newest, position=r.position)
+    emit(event="window", oldest=oldest, newest=newest, position=r.position, path=r.path,
+         alive=r.writer_alive(), repr=repr(r))
     if a.start is not None:
         r.seek(a.start)
     for _ in range(a.count):
