@@ -31,4 +31,5 @@ pub mod metrics;
 pub mod net;
 pub mod proto;
 pub mod ring;
+pub mod secrets;
 pub mod sim;
