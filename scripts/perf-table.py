@@ -8,13 +8,15 @@ publisher's scheduled send time (no coordinated omission); "ring" is commit → 
 import argparse, json, os, statistics, subprocess, sys, tempfile
 
 ROWS = [
-    # (label, rate, subscribers, connections, shm readers, extra flags)
-    ("N=1, R=1k", 1000, 1, 1, 1, []),
-    ("N=10, R=1k", 1000, 10, 1, 1, []),
-    ("N=100, R=1k", 1000, 100, 1, 1, []),
-    ("N=1000, R=1k", 1000, 1000, 10, 1, []),
-    ("N=1, R=10k", 10000, 1, 1, 1, []),
-    ("N=1, R=10k, shm busy-poll", 10000, 1, 1, 1, ["--shm-spin"]),
+    # (label, rate, subscribers, connections, shm readers, extra flags). One subscriber per
+    # connection, as N SMG gateways are N connections; "C=1" rows multiplex for contrast.
+    ("N=1, C=1, R=1k", 1000, 1, 1, 1, []),
+    ("N=10, C=10, R=1k", 1000, 10, 10, 1, []),
+    ("N=100, C=100, R=1k", 1000, 100, 100, 1, []),
+    ("N=100, C=1 (multiplexed), R=1k", 1000, 100, 1, 1, []),
+    ("N=1000, C=10 (multiplexed), R=1k", 1000, 1000, 10, 1, []),
+    ("N=1, C=1, R=10k", 10000, 1, 1, 1, []),
+    ("N=1, C=1, R=10k, shm busy-poll", 10000, 1, 1, 1, ["--shm-spin"]),
 ]
 
 
@@ -38,13 +40,15 @@ def main():
     ap.add_argument("--seconds", type=int, default=6)
     ap.add_argument("--bin", default=os.path.join(os.path.dirname(__file__), "..", "target", "release", "kvbridge"))
     ap.add_argument("--max-rates", default="20000,30000,40000,60000")
+    ap.add_argument("--only", default="", help="run only the rows whose label contains this")
     a = ap.parse_args()
     rows = list(ROWS)
-    print("| row | delivered/published | lost | gRPC p50 / p99 / p99.9 µs | shm p50 / p99 µs | ring p50 / p99 / p99.9 µs | bridge CPU % | RSS MiB | CPU ms / delivered MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| row | delivered/published | lost | gRPC p50 / p99 / p99.9 µs | shm p50 / p99 µs | ring p50 / p99 / p99.9 µs | bridge CPU % | RSS MiB | CPU ms / delivered MB | CPU µs / delivered batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     best = None
     for rate in [int(x) for x in a.max_rates.split(",") if x]:
-        rows.append((f"N=1, R={rate // 1000}k", rate, 1, 1, 1, []))
+        rows.append((f"N=1, C=1, R={rate // 1000}k", rate, 1, 1, 1, []))
+    rows = [r for r in rows if a.only in r[0]]
     for label, rate, subs, conns, readers, extra in rows:
         rs = [run(a.bin, rate, subs, conns, readers, extra, a.seconds) for _ in range(a.runs)]
         lost = max(r["grpc"]["lost"] + r["grpc"]["errors"] + r["shm"]["lost"] + r["shm"]["errors"] for r in rs)
@@ -58,7 +62,8 @@ def main():
               f"| {med(rs, s('p50_us')):.0f} / {med(rs, s('p99_us')):.0f} "
               f"| {med(rs, q('p50_us')):.1f} / {med(rs, q('p99_us')):.1f} / {med(rs, q('p999_us')):.1f} "
               f"| {med(rs, lambda r: r['bridge_cpu_percent']):.1f} | {med(rs, lambda r: r['bridge_peak_rss_kib']) / 1024:.0f} "
-              f"| {med(rs, lambda r: r['cpu_ms_per_delivered_mb']):.1f} |", flush=True)
+              f"| {med(rs, lambda r: r['cpu_ms_per_delivered_mb']):.1f} "
+              f"| {med(rs, lambda r: r['cpu_us_per_delivered_batch']):.2f} |", flush=True)
     print(f"\nhighest tested rate with zero loss for N=1: {best}")
 
 

@@ -324,6 +324,7 @@ impl ServeArgs {
             health_grace: ops.health_grace,
             tls: security.tls,
             auth_token: security.auth_token,
+            secret_files: security.files,
             max_streams_per_connection: streaming.max_streams_per_connection,
             handshake_timeout: streaming.handshake_timeout,
         })
@@ -667,17 +668,19 @@ concern! {
 struct SecurityConfig {
     tls: Option<TlsFiles>,
     auth_token: Option<String>,
+    files: SecretFiles,
 }
 
 impl SecurityArgs {
     /// Reads the PEM files and the token (file, else the environment).
     fn validate(self) -> Result<SecurityConfig, ConfigError> {
+        let files = SecretFiles {
+            tls: self.tls_cert.clone().zip(self.tls_key.clone()),
+            token: self.auth_token_file.clone(),
+        };
         let tls = match (self.tls_cert, self.tls_key) {
             (None, None) => None,
-            (Some(c), Some(k)) => Some(TlsFiles {
-                cert: read_pem("--tls-cert", &c, "CERTIFICATE")?,
-                key: read_pem("--tls-key", &k, "PRIVATE KEY")?,
-            }),
+            (Some(c), Some(k)) => Some(read_tls_files(&c, &k)?),
             (Some(_), None) => {
                 return Err(invalid("--tls-cert needs --tls-key (give both or neither)"))
             }
@@ -688,6 +691,7 @@ impl SecurityArgs {
         Ok(SecurityConfig {
             tls,
             auth_token: resolve_token(self.auth_token_file.as_deref())?,
+            files,
         })
     }
 }
@@ -783,6 +787,8 @@ pub struct ServeConfig {
     pub tls: Option<TlsFiles>,
     /// Bearer token every `SubscribeKvEvents` call must carry, if set.
     pub auth_token: Option<String>,
+    /// Where `tls` and `auth_token` were read from, to re-read them on SIGHUP or change.
+    pub secret_files: SecretFiles,
     /// HTTP/2 max concurrent streams per connection.
     pub max_streams_per_connection: u32,
     /// Time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
@@ -812,6 +818,36 @@ impl std::fmt::Debug for TlsFiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TlsFiles({} cert bytes, key redacted)", self.cert.len())
     }
+}
+
+/// The files the secrets come from (`--tls-cert`/`--tls-key`, `--auth-token-file`): kept so
+/// that a running bridge can re-read them when they rotate (see `crate::secrets`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SecretFiles {
+    /// Certificate chain and private key.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Bearer token (a token from the environment is not reloadable).
+    pub token: Option<PathBuf>,
+}
+
+impl SecretFiles {
+    /// Reads the certificate chain and key again, checked as at start-up.
+    pub fn read_tls(&self) -> Option<Result<TlsFiles, ConfigError>> {
+        self.tls.as_ref().map(|(c, k)| read_tls_files(c, k))
+    }
+
+    /// Reads the token file again, checked as at start-up.
+    pub fn read_token(&self) -> Option<Result<String, ConfigError>> {
+        let p = self.token.as_deref()?;
+        Some(resolve_token(Some(p)).map(|t| t.expect("a token file yields a token or an error")))
+    }
+}
+
+fn read_tls_files(cert: &Path, key: &Path) -> Result<TlsFiles, ConfigError> {
+    Ok(TlsFiles {
+        cert: read_pem("--tls-cert", cert, "CERTIFICATE")?,
+        key: read_pem("--tls-key", key, "PRIVATE KEY")?,
+    })
 }
 
 /// One engine publisher (one DP rank).

@@ -12,8 +12,9 @@
 //! ```
 //!
 //! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command),
-//! [`metrics`] (Prometheus), [`health`] (upstream connections → `grpc.health.v1`) and [`net`]
-//! (the listeners' accept loop and the gRPC handshake deadline). The wire
+//! [`metrics`] (Prometheus), [`health`] (upstream connections → `grpc.health.v1`), [`net`]
+//! (the listeners' accept loop and the gRPC handshake deadline) and [`secrets`] (the TLS
+//! certificate and token, reloaded when they rotate). The wire
 //! formats are specified in docs/engine-wire.md (engine side) and
 //! docs/smg-api.md (gateway side).
 
@@ -31,4 +32,5 @@ pub mod metrics;
 pub mod net;
 pub mod proto;
 pub mod ring;
+pub mod secrets;
 pub mod sim;

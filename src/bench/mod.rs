@@ -49,6 +49,8 @@ pub struct BenchConfig {
     pub shm: std::path::PathBuf,
     /// PID of the bridge process, for CPU and RSS.
     pub serve_pid: Option<u32>,
+    /// Count the bridge's system calls in the measured window (with `perf`).
+    pub count_syscalls: bool,
 }
 
 /// The batch mix.
@@ -147,6 +149,13 @@ pub struct BenchResult {
     pub delivered_mb: f64,
     /// Bridge CPU milliseconds per delivered MB.
     pub cpu_ms_per_delivered_mb: Option<f64>,
+    /// Bridge CPU microseconds per batch delivered to a gRPC subscriber (the fan-out's unit
+    /// cost: one batch to one subscriber).
+    pub cpu_us_per_delivered_batch: Option<f64>,
+    /// Bridge system calls in the measured window (all threads; `--syscalls`).
+    pub bridge_syscalls: Option<u64>,
+    /// Bridge system calls per batch delivered to a gRPC subscriber (`--syscalls`).
+    pub syscalls_per_delivered_batch: Option<f64>,
 }
 
 impl BenchResult {
@@ -325,6 +334,11 @@ pub async fn measure(
     tokio::time::sleep(cfg.warmup).await;
     measuring.store(true, Ordering::SeqCst);
     let cpu0 = cfg.serve_pid.and_then(proc_stats::cpu_seconds);
+    let syscalls = match (cfg.count_syscalls, cfg.serve_pid) {
+        (true, Some(pid)) => Some(proc_stats::SyscallCounter::start(pid)?),
+        (true, None) => return Err("--syscalls needs the bridge's pid (--serve-pid)".into()),
+        _ => None,
+    };
     let p0 = publisher.published.load(Ordering::Relaxed);
     let t0 = Instant::now();
     let mut last = 0;
@@ -347,6 +361,9 @@ pub async fn measure(
     let seconds = t0.elapsed().as_secs_f64();
     let published = publisher.published.load(Ordering::Relaxed) - p0;
     let cpu1 = cfg.serve_pid.and_then(proc_stats::cpu_seconds);
+    let syscalls = syscalls
+        .map(proc_stats::SyscallCounter::finish)
+        .transpose()?;
     // Let in-flight batches arrive before the readers stop counting.
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::SeqCst);
@@ -399,6 +416,13 @@ pub async fn measure(
         if r.delivered_mb > 0.0 {
             r.cpu_ms_per_delivered_mb = Some(cpu * 1e3 / r.delivered_mb);
         }
+        if r.grpc.delivered > 0 {
+            r.cpu_us_per_delivered_batch = Some(cpu * 1e6 / r.grpc.delivered as f64);
+        }
+    }
+    r.bridge_syscalls = syscalls;
+    if let (Some(n), true) = (syscalls, r.grpc.delivered > 0) {
+        r.syscalls_per_delivered_batch = Some(n as f64 / r.grpc.delivered as f64);
     }
     r.bridge_peak_rss_kib = cfg.serve_pid.and_then(proc_stats::peak_rss_kib);
     Ok(r)
@@ -437,6 +461,13 @@ pub fn table(r: &BenchResult) -> String {
         r.bridge_peak_rss_kib.map_or("-".into(), |k| format!("{:.1}", k as f64 / 1024.0)),
         r.delivered_mb,
         f(r.cpu_ms_per_delivered_mb)
+    );
+    s += &format!(
+        "bridge CPU per delivered batch {} µs, syscalls per delivered batch {}\n",
+        r.cpu_us_per_delivered_batch
+            .map_or("-".into(), |v| format!("{v:.2}")),
+        r.syscalls_per_delivered_batch
+            .map_or("-".into(), |v| format!("{v:.2}")),
     );
     s
 }

@@ -22,9 +22,14 @@ pub(super) struct BenchArgs {
     /// gRPC subscribers.
     #[arg(long, default_value_t = 1)]
     subscribers: usize,
-    /// HTTP/2 connections the subscribers share (default: one per 100 subscribers, at least 1).
+    /// HTTP/2 connections the subscribers share (default: one per subscriber, as N SMG gateways
+    /// hold N connections; `--connections 1` multiplexes them all on one).
     #[arg(long)]
     connections: Option<usize>,
+    /// Also count the bridge's system calls in the measured window (`perf stat -e
+    /// raw_syscalls:sys_enter -p PID`; needs `perf` and permission to trace the process).
+    #[arg(long)]
+    syscalls: bool,
     /// Shared-memory reader processes.
     #[arg(long = "shm-readers", default_value_t = 1)]
     shm_readers: usize,
@@ -191,7 +196,8 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
         duration: Duration::from_secs(a.duration),
         warmup: Duration::from_secs(a.warmup),
         subscribers: a.subscribers,
-        connections: a.connections.unwrap_or(a.subscribers.div_ceil(100).max(1)),
+        connections: a.connections.unwrap_or(a.subscribers).max(1),
+        count_syscalls: a.syscalls,
         shm_readers: a.shm_readers,
         shm_spin: a.shm_spin,
         mix: a.mix,

@@ -279,6 +279,7 @@ async fn start_on_rings(
         max_streams_per_connection: Some(cfg.max_streams_per_connection),
         handshake_timeout: Some(cfg.handshake_timeout),
         health: Some(reporter.clone()),
+        reload: Some(cfg.secret_files.clone()),
     };
     let edge = crate::fanout::edge(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;

@@ -330,11 +330,12 @@ impl Subscription {
                 return Ok(EncodedBatch(b));
             }
             if self.next > self.hub.newest() {
-                let mut sd = self.shutdown.clone();
-                tokio::select! {
-                    _ = self.hub.wait_newer(self.next - 1, Duration::from_secs(1)) => {}
-                    _ = sd.changed() => {}
-                }
+                // Shutdown and a ring failure both wake every waiter after setting their flag.
+                let (hub, shutdown) = (&self.hub, &self.shutdown);
+                hub.wait_newer_unless(self.next - 1, || {
+                    *shutdown.borrow() || hub.failure().is_some()
+                })
+                .await;
                 continue;
             }
             // Older than the cache: read the ring.

@@ -45,7 +45,7 @@ pub(super) type BatchStream =
 pub(super) struct PathHandler {
     fanout: Arc<Fanout>,
     path: &'static str,
-    auth: Option<Arc<[u8]>>,
+    secrets: Arc<crate::secrets::Secrets>,
 }
 
 /// Compares without an early exit, so response time says nothing about a token's prefix.
@@ -76,10 +76,10 @@ fn bearer_ok(md: &tonic::metadata::MetadataMap, want: &[u8]) -> bool {
 impl PathHandler {
     /// `authorization: Bearer <token>` when a token is configured; else `UNAUTHENTICATED`.
     fn check_auth(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
-        let Some(want) = &self.auth else {
-            return Ok(());
-        };
-        let ok = bearer_ok(md, want);
+        // The token current now (it may have been rotated since the bridge started).
+        let ok = self
+            .secrets
+            .with_token(|want| want.is_none_or(|w| bearer_ok(md, w)));
         if ok {
             return Ok(());
         }
@@ -105,38 +105,55 @@ impl PathHandler {
         let start = req.get_ref().start_sequence_number;
         let sub = self.fanout.subscribe(self.path, start, rank.as_deref())?;
         tracing::debug!(path = self.path, start, "subscription opened");
-        let metrics = self.fanout.metrics.clone();
-        let latency = metrics.send_latency.with_label_values(&[self.path]);
-        let stream = futures_util::stream::unfold(sub, move |mut sub| {
-            let metrics = metrics.clone();
-            let latency = latency.clone();
-            async move {
-                let item = sub.next_batch().await?;
-                match &item {
-                    Ok(b) => {
-                        metrics.batches_sent.inc();
-                        metrics.bytes_sent.inc_by(b.0.len() as u64);
-                        metrics.subscriber_lag.observe(sub.lag() as f64);
-                        let t = sub.last_ingest_ns();
-                        if t > 0 {
-                            let now = crate::clock::unix_nanos();
-                            latency.observe(now.saturating_sub(t) as f64 * 1e-9);
-                        }
-                    }
-                    Err(s) => {
-                        metrics
-                            .statuses
-                            .with_label_values(&[code_label(s.code())])
-                            .inc();
-                        if s.code() == tonic::Code::DataLoss {
-                            metrics.resumes.with_label_values(&["data_loss"]).inc();
-                        }
-                    }
-                }
-                Some((item, sub))
-            }
+        // Everything a delivery touches is resolved once here and moved through the stream's
+        // state: no label look-up, no reference-count traffic per delivered batch.
+        let state = Delivering {
+            latency: self
+                .fanout
+                .metrics
+                .send_latency
+                .with_label_values(&[self.path]),
+            metrics: self.fanout.metrics.clone(),
+            sub,
+        };
+        let stream = futures_util::stream::unfold(state, |mut st| async move {
+            let item = st.sub.next_batch().await?;
+            st.account(&item);
+            Some((item, st))
         });
         Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// One open stream: its subscription and the metric handles every delivery updates.
+struct Delivering {
+    sub: super::Subscription,
+    metrics: Arc<crate::metrics::Metrics>,
+    latency: prometheus::Histogram,
+}
+
+impl Delivering {
+    /// Counts a delivered batch (sizes, lag, ingest → hand-off latency) or an ending status.
+    fn account(&self, item: &Result<EncodedBatch, Status>) {
+        let m = &self.metrics;
+        match item {
+            Ok(b) => {
+                m.batches_sent.inc();
+                m.bytes_sent.inc_by(b.0.len() as u64);
+                m.subscriber_lag.observe(self.sub.lag() as f64);
+                let t = self.sub.last_ingest_ns();
+                if t > 0 {
+                    let now = crate::clock::unix_nanos();
+                    self.latency.observe(now.saturating_sub(t) as f64 * 1e-9);
+                }
+            }
+            Err(s) => {
+                m.statuses.with_label_values(&[code_label(s.code())]).inc();
+                if s.code() == tonic::Code::DataLoss {
+                    m.resumes.with_label_values(&["data_loss"]).inc();
+                }
+            }
+        }
     }
 }
 
@@ -175,6 +192,9 @@ pub struct EdgeOptions {
     pub handshake_timeout: Option<Duration>,
     /// Serve `grpc.health.v1.Health` from this reporter.
     pub health: Option<tonic_health::server::HealthReporter>,
+    /// Re-read `tls` and `auth_token` from these files on SIGHUP and when they change
+    /// (`crate::secrets`); `None`: they stay as given for the whole run.
+    pub reload: Option<crate::config::SecretFiles>,
 }
 
 /// The fully-qualified names of the four `SubscribeKvEvents` services.
@@ -206,7 +226,8 @@ fn with_path<S: tonic::server::NamedService>(
 /// The gRPC edge, ready to serve: the router and what wraps every accepted connection.
 pub struct Edge {
     router: tonic::transport::server::Router,
-    tls: Option<crate::net::Tls>,
+    secrets: Arc<crate::secrets::Secrets>,
+    reload: Option<crate::config::SecretFiles>,
     handshake_timeout: Duration,
     metrics: Arc<crate::metrics::Metrics>,
 }
@@ -224,20 +245,25 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
         crate::config::DEFAULT_HANDSHAKE_TIMEOUT_MS,
     ));
     let metrics = fanout.metrics.clone();
+    let secrets = Arc::new(crate::secrets::Secrets::new(tls, opts.auth_token.clone()));
     Ok(Edge {
-        router: router_with(fanout, opts),
-        tls,
+        router: router_with(fanout, opts, &secrets),
+        secrets,
+        reload: opts.reload.clone(),
         handshake_timeout,
         metrics,
     })
 }
 
-fn router_with(fanout: Arc<Fanout>, opts: &EdgeOptions) -> tonic::transport::server::Router {
-    let auth: Option<Arc<[u8]>> = opts.auth_token.as_ref().map(|t| t.as_bytes().into());
+fn router_with(
+    fanout: Arc<Fanout>,
+    opts: &EdgeOptions,
+    secrets: &Arc<crate::secrets::Secrets>,
+) -> tonic::transport::server::Router {
     let h = |path: &'static str| PathHandler {
         fanout: fanout.clone(),
         path,
-        auth: auth.clone(),
+        secrets: secrets.clone(),
     };
     // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
     // deadline (tonic's own TLS would hold a silent client's handshake open forever).
@@ -288,24 +314,42 @@ impl Edge {
         use crate::net::{tune, Acceptor, EdgeIo};
         let Edge {
             router,
-            tls,
+            secrets,
+            reload,
             handshake_timeout,
             metrics,
         } = self;
+        // Aborted when serving ends (the handle is dropped with this future too).
+        let watcher = reload
+            .map(|files| AbortOnDrop(tokio::spawn(crate::secrets::watch(secrets.clone(), files))));
         let acceptor = Acceptor::new(listener, "grpc", metrics.accept_errors.clone());
         let timeouts = metrics.handshake_timeouts.clone();
         let incoming = futures_util::stream::unfold(acceptor, move |mut acceptor| {
-            let (tls, timeouts) = (tls.clone(), timeouts.clone());
+            let (secrets, timeouts) = (secrets.clone(), timeouts.clone());
             async move {
                 let sock = acceptor.accept().await;
                 tune(&sock);
-                let io = EdgeIo::new(sock, tls.as_ref(), handshake_timeout, timeouts);
+                // The certificate current at accept time; a later rotation leaves this
+                // connection's session alone.
+                let tls = secrets.tls();
+                let io = EdgeIo::new(sock, tls.as_deref(), handshake_timeout, timeouts);
                 Some((Ok::<_, std::io::Error>(io), acceptor))
             }
         });
-        router
+        let r = router
             .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
+            .await;
+        drop(watcher);
+        r
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -299,6 +299,21 @@ impl RingHub {
         let _ = tokio::time::timeout(max_wait, notified).await;
     }
 
+    /// Resolves when a record newer than `seq` may exist, or once `stop()` is true. No timer:
+    /// whoever makes `stop()` true must call [`wake_all`](Self::wake_all) afterwards (shutdown
+    /// and a ring failure do); `stop()` is checked after registering, so that wake is never
+    /// missed. One wait costs a waiter-list entry and nothing else, which matters when every
+    /// committed record wakes every live subscriber.
+    pub async fn wait_newer_unless(&self, seq: u64, stop: impl Fn() -> bool) {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.newest() > seq || stop() {
+            return;
+        }
+        notified.await;
+    }
+
     /// Wakes every in-process waiter (used at shutdown).
     pub fn wake_all(&self) {
         self.notify.notify_waiters();

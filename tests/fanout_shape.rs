@@ -1,0 +1,118 @@
+//! How records are framed on the wire (issue 12, item 4): a subscriber that is behind — here
+//! resuming from the start of a full window — gets many records per HTTP/2 DATA frame (one
+//! write carries many), instead of one frame per record. Seen with a raw HTTP/2 client, which
+//! receives DATA frames one by one.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvbridge::proto::common::SubscribeKvEventsRequest;
+use prost::Message;
+
+const RECORDS: usize = 300;
+
+/// The trailers, if they have arrived (the status of a stream that ended).
+fn trailers_of(body: &mut h2::RecvStream) -> Option<http::HeaderMap> {
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    match body.poll_trailers(&mut cx) {
+        std::task::Poll::Ready(Ok(t)) => t,
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_is_behind_gets_many_records_per_data_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let args = vec![
+        "--zmq".to_string(),
+        e.endpoint.clone(),
+        "--replay".into(),
+        e.replay.clone(),
+    ];
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    // Fill the window: a live subscriber tells when every record is in the ring.
+    let mut live = subscribe(&bridge.url(), 0).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut got = 0;
+    let mut sent = 0;
+    while got < RECORDS {
+        assert!(Instant::now() < deadline, "only {got} records arrived");
+        if sent < RECORDS + 50 {
+            e.publish(layout(sent), vec![store(sent as u64 + 1, 1, None)], 0);
+            sent += 1;
+        }
+        if let Ok(Ok(Some(_))) =
+            tokio::time::timeout(Duration::from_millis(5), live.message()).await
+        {
+            got += 1;
+        }
+    }
+
+    // A fresh subscriber (start 0) starts at the oldest retained record: the whole window is
+    // behind it. Over raw HTTP/2 and count DATA frames and gRPC messages.
+    let tcp = tokio::net::TcpStream::connect(bridge.grpc).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let (client, conn) = h2::client::Builder::new()
+        .initial_window_size(4 << 20)
+        .initial_connection_window_size(4 << 20)
+        .handshake::<_, bytes::Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let path = kvbridge::proto::ENGINE_SERVICES[0].path;
+    let req = http::Request::post(format!("http://{}{path}", bridge.grpc))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (resp, mut send) = client.send_request(req, false).unwrap();
+    let msg = SubscribeKvEventsRequest {
+        start_sequence_number: 0,
+        load_records_before_first_batch: false,
+    }
+    .encode_to_vec();
+    let mut framed = vec![0u8];
+    framed.extend((msg.len() as u32).to_be_bytes());
+    framed.extend(msg);
+    send.send_data(framed.into(), true).unwrap();
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let (mut frames, mut bytes) = (0usize, Vec::new());
+    let count = |b: &[u8]| {
+        let (mut n, mut at) = (0, 0);
+        while at + 5 <= b.len() {
+            let len = u32::from_be_bytes(b[at + 1..at + 5].try_into().unwrap()) as usize;
+            if at + 5 + len > b.len() {
+                break;
+            }
+            at += 5 + len;
+            n += 1;
+        }
+        n
+    };
+    while count(&bytes) < RECORDS {
+        let chunk = tokio::time::timeout(Duration::from_secs(20), body.data())
+            .await
+            .expect("timed out reading the replay")
+            .unwrap_or_else(|| panic!("stream ended: {:?}", trailers_of(&mut body)))
+            .unwrap();
+        body.flow_control().release_capacity(chunk.len()).unwrap();
+        frames += 1;
+        bytes.extend_from_slice(&chunk);
+    }
+    let records = count(&bytes);
+    // Every record was ready when the stream started: they go out back to back, as many per
+    // frame as fit. One record per frame would be `records` frames.
+    assert!(
+        frames * 8 <= records,
+        "{records} records came in {frames} DATA frames: not coalesced"
+    );
+    drop(live);
+    bridge.stop();
+}
