@@ -780,7 +780,7 @@ concern! {
         #[arg(long, value_name = "DURATION")]
         pub nats_max_age: Option<String>,
         /// This bridge's name in the subjects (letters, digits, `-`, `_`)
-        /// [default: <hostname>-<grpc port>].
+        /// [default: HOSTNAME-GRPCPORT].
         #[arg(long, value_name = "ID")]
         pub nats_worker_id: Option<String>,
         /// NATS credentials file (`.creds`: user JWT and NKey seed).
@@ -805,7 +805,7 @@ pub struct NatsConfig {
     pub replicas: usize,
     /// Stream max age.
     pub max_age: Duration,
-    /// Worker id; `None`: `<hostname>-<grpc port>`, decided at start.
+    /// Worker id; `None`: `HOSTNAME-GRPCPORT`, decided at start.
     pub worker_id: Option<String>,
     /// Credentials file.
     pub creds: Option<PathBuf>,
@@ -1397,6 +1397,37 @@ mod tests {
     /// One whose meaning depends on the engine (`0.0.0.0`).
     const KV_ANY: &str =
         r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://0.0.0.0:6000"}"#;
+
+    #[test]
+    fn nats_settings_are_checked() {
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("2d").unwrap(), Duration::from_secs(172_800));
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert!(parse_duration("0h").is_err());
+        assert!(parse_duration("1w").is_err());
+        let err = |argv: &[&str]| {
+            let mut v = vec!["--zmq", "tcp://*:5557"];
+            v.extend_from_slice(argv);
+            flags(&v).resolve().unwrap_err().to_string()
+        };
+        assert_eq!(err(&["--nats-stream", "S"]), "--nats-stream needs --nats");
+        assert!(err(&["--nats", "http://x:1"]).contains("not a NATS server URL"));
+        assert!(
+            err(&["--nats", "nats://x:1", "--nats-worker-id", "a.b"]).contains("one subject token")
+        );
+        assert!(err(&["--nats", "nats://x:1", "--nats-replicas", "7"]).contains("1 to 5"));
+        assert!(err(&["--nats", "nats://x:1", "--nats-stream", "A B"]).contains("--nats-stream"));
+        let c = flags(&["--zmq", "tcp://*:5557", "--nats", "nats://a:1, nats://b:2"])
+            .resolve()
+            .unwrap();
+        let n = c.nats.unwrap();
+        assert_eq!(n.urls, ["nats://a:1", "nats://b:2"]);
+        assert_eq!((n.replicas, n.max_age), (3, Duration::from_secs(3600)));
+        assert_eq!(
+            (n.subject_prefix.as_str(), n.stream.as_str()),
+            ("kv", "KV_EVENTS")
+        );
+    }
 
     /// One row per setting: its flags, the same setting in TOML, and another TOML value for it.
     struct Row {

@@ -79,13 +79,22 @@ impl Node {
             client_port.to_string()
         };
         let mut cmd = Command::new(nats_server());
-        cmd.args(["-a", "127.0.0.1", "--no_advertise", "-p", &port, "-js", "-n", name])
-            .arg("-sd")
-            .arg(&store)
-            .arg("-l")
-            .arg(&log)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        cmd.args([
+            "-a",
+            "127.0.0.1",
+            "--no_advertise",
+            "-p",
+            &port,
+            "-js",
+            "-n",
+            name,
+        ])
+        .arg("-sd")
+        .arg(&store)
+        .arg("-l")
+        .arg(&log)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
         if let Some(cp) = cluster_port {
             let routes: Vec<String> = routes
                 .iter()
@@ -100,10 +109,10 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(p) = text
-                .lines()
-                .find_map(|l| l.split("Listening for client connections on 127.0.0.1:").nth(1))
-            {
+            if let Some(p) = text.lines().find_map(|l| {
+                l.split("Listening for client connections on 127.0.0.1:")
+                    .nth(1)
+            }) {
                 if text.contains("Server is ready") {
                     return Ok(Node {
                         name: name.to_string(),
@@ -335,10 +344,7 @@ async fn subject_count(js: &jetstream::Context, stream: &str, subject: &str) -> 
     let mut s = js.get_stream(stream).await.expect("stream");
     let info = s.info().await.expect("info");
     let _ = info;
-    let mut st = s
-        .info_with_subjects(subject)
-        .await
-        .expect("subjects");
+    let mut st = s.info_with_subjects(subject).await.expect("subjects");
     let mut n = 0;
     while let Some(Ok((_, c))) = st.next().await {
         n += c as u64;
@@ -348,12 +354,21 @@ async fn subject_count(js: &jetstream::Context, stream: &str, subject: &str) -> 
 
 /// Waits until the stream has acknowledged the ring's newest record (metric of the sink), and
 /// returns that newest sequence.
-fn wait_caught_up(metrics: std::net::SocketAddr, shm: &Path, subject: &str, timeout: Duration) -> u64 {
+fn wait_caught_up(
+    metrics: std::net::SocketAddr,
+    shm: &Path,
+    subject: &str,
+    timeout: Duration,
+) -> u64 {
     let deadline = Instant::now() + timeout;
     loop {
         let n = ring_newest(shm);
         let page = common::scrape(metrics);
-        let acked = common::metric(&page, "kvbridge_nats_acked_sequence", &[("subject", subject)]);
+        let acked = common::metric(
+            &page,
+            "kvbridge_nats_acked_sequence",
+            &[("subject", subject)],
+        );
         if n > 0 && acked as u64 == n {
             return n;
         }
@@ -370,13 +385,20 @@ fn assert_exactly_the_ring(got: &[Got], ring: &[(u64, Vec<u8>)], n: u64) {
     assert_eq!(got.len() as u64, n, "message count");
     let r0 = &got[0].ring;
     for (i, g) in got.iter().enumerate() {
-        assert_eq!(g.seq, i as u64 + 1, "gap, duplicate or reordering at message {i}");
+        assert_eq!(
+            g.seq,
+            i as u64 + 1,
+            "gap, duplicate or reordering at message {i}"
+        );
         assert_eq!(&g.ring, r0, "ring id changed");
         assert!(g.cleared.is_none(), "unexpected cleared at {}", g.seq);
     }
     for (seq, bytes) in ring {
         let g = &got[*seq as usize - 1];
-        assert_eq!(&g.payload, bytes, "payload of {seq} differs from the ring record");
+        assert_eq!(
+            &g.payload, bytes,
+            "payload of {seq} differs from the ring record"
+        );
         let b = KvEventBatch::decode(bytes.as_slice()).unwrap();
         assert_eq!(b.sequence_number, *seq);
     }
@@ -407,7 +429,9 @@ fn engine_flags(engine: &Engine) -> Vec<String> {
 async fn three_node_cluster_leader_killed_mid_run_loses_and_duplicates_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_path_buf();
-    let mut nodes = tokio::task::spawn_blocking(move || cluster(&d)).await.unwrap();
+    let mut nodes = tokio::task::spawn_blocking(move || cluster(&d))
+        .await
+        .unwrap();
     let urls: Vec<String> = nodes.iter().map(Node::url).collect();
     let urls = urls.join(",");
     let js = js_client(&urls).await;
@@ -465,9 +489,19 @@ async fn three_node_cluster_leader_killed_mid_run_loses_and_duplicates_nothing()
     .await
     .unwrap();
     assert!(n >= N as u64, "ring has {n} records, sent {N}");
+    let page = common::scrape(metrics);
+    eprintln!(
+        "leader {leader} killed: {} publication failures (pipeline restarts), {} published",
+        common::metric(&page, "kvbridge_nats_publish_failures_total", &[]),
+        common::metric(&page, "kvbridge_nats_published_total", &[])
+    );
     let got = read_subject(&js, "KV_EVENTS", subject, n as usize).await;
     assert_exactly_the_ring(&got, &ring_records(&shm), n);
-    assert_eq!(subject_count(&js, "KV_EVENTS", subject).await, n, "extra messages in the stream");
+    assert_eq!(
+        subject_count(&js, "KV_EVENTS", subject).await,
+        n,
+        "extra messages in the stream"
+    );
     drop(bridge);
 }
 
@@ -518,7 +552,80 @@ async fn bridge_sigkilled_and_restarted_on_its_ring_publishes_every_record_once(
     .unwrap();
     let got = read_subject(&js, "KV_EVENTS", subject, n as usize).await;
     assert_exactly_the_ring(&got, &ring_records(&shm), n);
-    assert_eq!(subject_count(&js, "KV_EVENTS", subject).await, n, "duplicates in the stream");
+    assert_eq!(
+        subject_count(&js, "KV_EVENTS", subject).await,
+        n,
+        "duplicates in the stream"
+    );
+
+    // `kvbridge subscribe --nats` reads it back as the gRPC subscriber's JSON lines.
+    let url = node.url();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(common::bin())
+            .args([
+                "subscribe",
+                "--nats",
+                &url,
+                "--worker",
+                "w2",
+                "--from",
+                "10",
+                "--count",
+                "3",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seqs: Vec<&str> = lines
+        .iter()
+        .map(|l| l["sequenceNumber"].as_str().unwrap())
+        .collect();
+    assert_eq!(seqs, ["11", "12", "13"]);
+
+    // The stream exists with a 1 h retention: asking for another is one clear line, exit 2.
+    let url = node.url();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(common::bin())
+            .args([
+                "serve",
+                "--zmq",
+                "tcp://127.0.0.1:1",
+                "--grpc",
+                "127.0.0.1:0",
+                "--metrics",
+                "off",
+            ])
+            .args([
+                "--nats",
+                &url,
+                "--nats-replicas",
+                "1",
+                "--nats-max-age",
+                "2h",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nats-stream KV_EVENTS: the existing stream has max age"),
+        "{err}"
+    );
     drop(bridge);
 }
 
@@ -599,11 +706,22 @@ async fn nats_down_for_10s_grpc_unaffected_and_the_sink_catches_up_from_the_ring
         .unwrap();
     assert_eq!(during[0], before + 1);
     for w in during.windows(2) {
-        assert_eq!(w[1], w[0] + 1, "gRPC hole or duplicate during the NATS outage");
+        assert_eq!(
+            w[1],
+            w[0] + 1,
+            "gRPC hole or duplicate during the NATS outage"
+        );
     }
     let page = common::scrape(metrics);
-    let acked = common::metric(&page, "kvbridge_nats_acked_sequence", &[("subject", subject)]);
-    assert!((acked as u64) < newest, "NATS was down, yet the sink acknowledged everything");
+    let acked = common::metric(
+        &page,
+        "kvbridge_nats_acked_sequence",
+        &[("subject", subject)],
+    );
+    assert!(
+        (acked as u64) < newest,
+        "NATS was down, yet the sink acknowledged everything"
+    );
     let oldest = RingReader::open(&shm).unwrap().oldest();
     assert!(
         oldest > acked as u64 + 1,
@@ -626,7 +744,11 @@ async fn nats_down_for_10s_grpc_unaffected_and_the_sink_catches_up_from_the_ring
     .unwrap();
     let page = common::scrape(metrics);
     assert!(
-        common::metric(&page, "kvbridge_nats_cleared_total", &[("subject", subject)]) >= 1.0,
+        common::metric(
+            &page,
+            "kvbridge_nats_cleared_total",
+            &[("subject", subject)]
+        ) >= 1.0,
         "no cleared counted"
     );
     // The stream: 1..=before, then an in-band cleared standing for the overwritten records,
@@ -638,9 +760,19 @@ async fn nats_down_for_10s_grpc_unaffected_and_the_sink_catches_up_from_the_ring
     let mut clears = 0;
     for w in got.windows(2) {
         let (a, b) = (&w[0], &w[1]);
-        assert!(b.seq > a.seq, "reordered or duplicated: {} after {}", b.seq, a.seq);
+        assert!(
+            b.seq > a.seq,
+            "reordered or duplicated: {} after {}",
+            b.seq,
+            a.seq
+        );
         if b.seq != a.seq + 1 {
-            assert!(b.cleared.is_some(), "gap {} → {} without a cleared", a.seq, b.seq);
+            assert!(
+                b.cleared.is_some(),
+                "gap {} → {} without a cleared",
+                a.seq,
+                b.seq
+            );
         }
         if b.cleared.is_some() {
             clears += 1;
@@ -651,7 +783,10 @@ async fn nats_down_for_10s_grpc_unaffected_and_the_sink_catches_up_from_the_ring
     }
     assert!(clears >= 1);
     for (seq, bytes) in &ring {
-        let g = got.iter().find(|g| g.seq == *seq).expect("retained record published");
+        let g = got
+            .iter()
+            .find(|g| g.seq == *seq)
+            .expect("retained record published");
         assert_eq!(&g.payload, bytes, "payload of {seq}");
     }
     drop(bridge);

@@ -62,7 +62,9 @@ pub enum SinkError {
         why: String,
     },
     /// The stream exists with settings other than the ones asked for.
-    #[error("--nats-stream {stream}: the existing stream has {what}; change the flag or the stream")]
+    #[error(
+        "--nats-stream {stream}: the existing stream has {what}; change the flag or the stream"
+    )]
     Mismatch {
         /// Stream name.
         stream: String,
@@ -239,7 +241,12 @@ pub async fn ensure_stream(
     };
     let mut s = match js.get_stream(&cfg.stream).await {
         Ok(s) => s,
-        Err(e) if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(_)) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(_)
+            ) =>
+        {
             match js.create_stream(want.clone()).await {
                 Ok(s) => {
                     tracing::info!(stream = %cfg.stream, replicas = cfg.replicas,
@@ -255,7 +262,12 @@ pub async fn ensure_stream(
         }
         Err(e) => return Err(serr(e.to_string())),
     };
-    let have = s.info().await.map_err(|e| serr(e.to_string()))?.config.clone();
+    let have = s
+        .info()
+        .await
+        .map_err(|e| serr(e.to_string()))?
+        .config
+        .clone();
     let subject = format!("{}.>", cfg.subject_prefix);
     let mismatch = |what: String| SinkError::Mismatch {
         stream: cfg.stream.clone(),

@@ -182,7 +182,11 @@ impl Publisher {
             self.announce_new_ring = false;
             // The numbering restarted: tell consumers their index of this worker is void, as
             // the batch before the ring's oldest record.
-            return Ok(Some(self.cleared(next.saturating_sub(1), next, "ring_replaced")));
+            return Ok(Some(self.cleared(
+                next.saturating_sub(1),
+                next,
+                "ring_replaced",
+            )));
         }
         let mut reader = self.reader.lock();
         loop {
@@ -193,8 +197,7 @@ impl Publisher {
                 return Ok(None);
             }
             if reader.position() != next {
-                if let Err(kvbridge_shm::SeekError::TooOld { oldest, .. }) = reader.seek(next)
-                {
+                if let Err(kvbridge_shm::SeekError::TooOld { oldest, .. }) = reader.seek(next) {
                     return Ok(Some(self.cleared(oldest - 1, oldest, "ring_lapped")));
                 }
             }
