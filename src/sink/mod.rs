@@ -113,7 +113,7 @@ impl SinkMetrics {
                 "nats_publish_lag_seconds",
                 "Commit in the ring to JetStream acknowledgement, per published record",
             )
-            .buckets(prometheus::exponential_buckets(1e-4, 2.0, 16).expect("buckets")),
+            .buckets(prometheus::exponential_buckets(5e-5, 1.25, 56).expect("buckets")),
             &["subject"],
         )
         .expect("histogram");
