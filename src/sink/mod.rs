@@ -97,11 +97,9 @@ impl SinkMetrics {
         let r = &m.registry;
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            // A second sink in one process (tests) shares the first one's collectors.
-            match r.register(Box::new(c.clone())) {
-                Ok(()) => c,
-                Err(_) => c,
-            }
+            // One sink per process registers; registering twice is refused and harmless.
+            let _ = r.register(Box::new(c.clone()));
+            c
         };
         let gauge = |name: &str, help: &str| {
             let g = IntGaugeVec::new(Opts::new(name, help), &["subject"]).expect("valid metric");
