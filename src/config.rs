@@ -272,6 +272,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub security: SecurityArgs,
+    /// The NATS JetStream sink.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub nats: NatsArgs,
     /// Metrics, logs, health.
     #[command(flatten)]
     #[serde(flatten)]
@@ -295,6 +299,7 @@ impl ServeArgs {
             ring,
             streaming,
             security,
+            nats,
             ops,
             ..
         } = self.clone();
@@ -303,6 +308,7 @@ impl ServeArgs {
         let ring = ring.merge(file.ring).validate()?;
         let security = security.merge(file.security).validate()?;
         let ops = ops.merge(file.ops).validate(streaming.grpc)?;
+        let nats = nats.merge(file.nats).validate()?;
         Ok(ServeConfig {
             ranks: engine.ranks,
             topic: engine.topic,
@@ -327,6 +333,7 @@ impl ServeArgs {
             secret_files: security.files,
             max_streams_per_connection: streaming.max_streams_per_connection,
             handshake_timeout: streaming.handshake_timeout,
+            nats,
         })
     }
 
@@ -744,6 +751,197 @@ impl OpsArgs {
     }
 }
 
+// ------------------------------------------------------------------------------- NATS sink
+
+/// Default subject prefix of the NATS sink: records go to `<prefix>.<worker-id>.<rank|merged>`.
+pub const DEFAULT_NATS_SUBJECT_PREFIX: &str = "kv";
+/// Default JetStream stream name.
+pub const DEFAULT_NATS_STREAM: &str = "KV_EVENTS";
+/// Default stream replicas: a JetStream cluster of three keeps the stream through one node's loss.
+pub const DEFAULT_NATS_REPLICAS: usize = 3;
+/// Default stream retention (`max_age`): an hour.
+pub const DEFAULT_NATS_MAX_AGE: Duration = Duration::from_secs(3600);
+
+concern! {
+    /// The NATS JetStream sink: every ring record also published to a replicated stream.
+    #[command(next_help_heading = "NATS JetStream sink")]
+    pub struct NatsArgs {
+        /// NATS server URLs, comma-separated (`nats://host:4222,nats://…`): publish every ring
+        /// record to JetStream (off when not given).
+        #[arg(long, value_name = "URL[,URL…]")]
+        pub nats: Option<String>,
+        /// Subject prefix: records go to `<prefix>.<worker-id>.<rank|merged>` [default: kv].
+        #[arg(long, value_name = "PREFIX")]
+        pub nats_subject_prefix: Option<String>,
+        /// JetStream stream, created (or checked) with subjects `<prefix>.>` [default: KV_EVENTS].
+        #[arg(long, value_name = "NAME")]
+        pub nats_stream: Option<String>,
+        /// Stream replicas; an existing stream with another value is an error [default: 3].
+        #[arg(long, value_name = "N")]
+        pub nats_replicas: Option<usize>,
+        /// Stream retention (max age), e.g. `1h`, `30m`, `2d`; an existing stream with another
+        /// value is an error [default: 1h].
+        #[arg(long, value_name = "DURATION")]
+        pub nats_max_age: Option<String>,
+        /// This bridge's name in the subjects (letters, digits, `-`, `_`)
+        /// [default: HOSTNAME-GRPCPORT].
+        #[arg(long, value_name = "ID")]
+        pub nats_worker_id: Option<String>,
+        /// NATS credentials file (`.creds`: user JWT and NKey seed).
+        #[arg(long, value_name = "FILE")]
+        pub nats_creds: Option<PathBuf>,
+        /// Trust this PEM CA for the NATS servers' TLS certificates (and require TLS).
+        #[arg(long, value_name = "FILE")]
+        pub nats_tls_ca: Option<PathBuf>,
+    }
+}
+
+/// The validated NATS sink settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NatsConfig {
+    /// Server URLs.
+    pub urls: Vec<String>,
+    /// Subject prefix.
+    pub subject_prefix: String,
+    /// Stream name.
+    pub stream: String,
+    /// Stream replicas.
+    pub replicas: usize,
+    /// Stream max age.
+    pub max_age: Duration,
+    /// Worker id; `None`: `HOSTNAME-GRPCPORT`, decided at start.
+    pub worker_id: Option<String>,
+    /// Credentials file.
+    pub creds: Option<PathBuf>,
+    /// CA for TLS.
+    pub tls_ca: Option<PathBuf>,
+}
+
+/// Whether `s` is usable as one NATS subject token (and a stream name): non-empty, and only
+/// letters, digits, `-` and `_` (no `.`, wildcards or whitespace).
+pub fn is_subject_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// `90s`, `30m`, `1h`, `2d` (or a bare number of seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("not a duration: {s:?} (try 1h, 30m or 90s)"))?;
+    let mult = match unit.trim() {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        u => return Err(format!("unknown unit {u:?} in {s:?} (use s, m, h or d)")),
+    };
+    n.checked_mul(mult)
+        .filter(|&secs| secs > 0)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{s:?}: must be more than 0 and fit in 64 bits of seconds"))
+}
+
+impl NatsArgs {
+    fn validate(self) -> Result<Option<NatsConfig>, ConfigError> {
+        let Some(urls) = self.nats else {
+            let given = [
+                ("nats-subject-prefix", self.nats_subject_prefix.is_some()),
+                ("nats-stream", self.nats_stream.is_some()),
+                ("nats-replicas", self.nats_replicas.is_some()),
+                ("nats-max-age", self.nats_max_age.is_some()),
+                ("nats-worker-id", self.nats_worker_id.is_some()),
+                ("nats-creds", self.nats_creds.is_some()),
+                ("nats-tls-ca", self.nats_tls_ca.is_some()),
+            ];
+            if let Some((name, _)) = given.iter().find(|(_, g)| *g) {
+                return Err(invalid(format!("--{name} needs --nats")));
+            }
+            return Ok(None);
+        };
+        let urls: Vec<String> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_string)
+            .collect();
+        if urls.is_empty() {
+            return Err(invalid("--nats: no server URL given"));
+        }
+        for u in &urls {
+            let rest = u.split_once("://").map_or(u.as_str(), |(scheme, rest)| {
+                if matches!(scheme, "nats" | "tls") {
+                    rest
+                } else {
+                    ""
+                }
+            });
+            if rest.is_empty() || rest.contains('/') {
+                return Err(invalid(format!(
+                    "--nats {u:?}: not a NATS server URL (try nats://host:4222)"
+                )));
+            }
+        }
+        let prefix = self
+            .nats_subject_prefix
+            .unwrap_or_else(|| DEFAULT_NATS_SUBJECT_PREFIX.to_string());
+        if !prefix.split('.').all(is_subject_token) {
+            return Err(invalid(format!(
+                "--nats-subject-prefix {prefix:?}: dot-separated tokens of letters, digits, '-' and '_'"
+            )));
+        }
+        let stream = self
+            .nats_stream
+            .unwrap_or_else(|| DEFAULT_NATS_STREAM.to_string());
+        if !is_subject_token(&stream) {
+            return Err(invalid(format!(
+                "--nats-stream {stream:?}: letters, digits, '-' and '_' only"
+            )));
+        }
+        let replicas = self.nats_replicas.unwrap_or(DEFAULT_NATS_REPLICAS);
+        if !(1..=5).contains(&replicas) {
+            return Err(invalid(format!(
+                "--nats-replicas {replicas}: JetStream allows 1 to 5"
+            )));
+        }
+        let max_age = match &self.nats_max_age {
+            None => DEFAULT_NATS_MAX_AGE,
+            Some(t) => parse_duration(t).map_err(|e| invalid(format!("--nats-max-age: {e}")))?,
+        };
+        if let Some(w) = &self.nats_worker_id {
+            if !is_subject_token(w) {
+                return Err(invalid(format!(
+                    "--nats-worker-id {w:?}: letters, digits, '-' and '_' only (it is one subject token)"
+                )));
+            }
+        }
+        for (name, f) in [
+            ("nats-creds", &self.nats_creds),
+            ("nats-tls-ca", &self.nats_tls_ca),
+        ] {
+            if let Some(f) = f {
+                std::fs::metadata(f)
+                    .map_err(|e| invalid(format!("--{name} {}: {e}", f.display())))?;
+            }
+        }
+        Ok(Some(NatsConfig {
+            urls,
+            subject_prefix: prefix,
+            stream,
+            replicas,
+            max_age,
+            worker_id: self.nats_worker_id,
+            creds: self.nats_creds,
+            tls_ca: self.nats_tls_ca,
+        }))
+    }
+}
+
 /// The validated configuration of `kvbridge serve`.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
@@ -793,6 +991,8 @@ pub struct ServeConfig {
     pub max_streams_per_connection: u32,
     /// Time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
     pub handshake_timeout: Duration,
+    /// The NATS JetStream sink, when `--nats` is given.
+    pub nats: Option<NatsConfig>,
 }
 
 impl ServeConfig {
@@ -1234,6 +1434,37 @@ mod tests {
     const KV_ANY: &str =
         r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://0.0.0.0:6000"}"#;
 
+    #[test]
+    fn nats_settings_are_checked() {
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("2d").unwrap(), Duration::from_secs(172_800));
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert!(parse_duration("0h").is_err());
+        assert!(parse_duration("1w").is_err());
+        let err = |argv: &[&str]| {
+            let mut v = vec!["--zmq", "tcp://*:5557"];
+            v.extend_from_slice(argv);
+            flags(&v).resolve().unwrap_err().to_string()
+        };
+        assert_eq!(err(&["--nats-stream", "S"]), "--nats-stream needs --nats");
+        assert!(err(&["--nats", "http://x:1"]).contains("not a NATS server URL"));
+        assert!(
+            err(&["--nats", "nats://x:1", "--nats-worker-id", "a.b"]).contains("one subject token")
+        );
+        assert!(err(&["--nats", "nats://x:1", "--nats-replicas", "7"]).contains("1 to 5"));
+        assert!(err(&["--nats", "nats://x:1", "--nats-stream", "A B"]).contains("--nats-stream"));
+        let c = flags(&["--zmq", "tcp://*:5557", "--nats", "nats://a:1, nats://b:2"])
+            .resolve()
+            .unwrap();
+        let n = c.nats.unwrap();
+        assert_eq!(n.urls, ["nats://a:1", "nats://b:2"]);
+        assert_eq!((n.replicas, n.max_age), (3, Duration::from_secs(3600)));
+        assert_eq!(
+            (n.subject_prefix.as_str(), n.stream.as_str()),
+            ("kv", "KV_EVENTS")
+        );
+    }
+
     /// One row per setting: its flags, the same setting in TOML, and another TOML value for it.
     struct Row {
         flags: Vec<String>,
@@ -1373,6 +1604,47 @@ mod tests {
                 &format!("--auth-token-file {token}"),
                 &format!("auth-token-file = {token:?}"),
                 &format!("auth-token-file = {token2:?}"),
+            ),
+            // NATS sink.
+            row(
+                "--nats nats://127.0.0.1:4222",
+                r#"nats = "nats://127.0.0.1:4222""#,
+                r#"nats = "nats://127.0.0.1:4223""#,
+            ),
+            row(
+                "--nats nats://a:4222 --nats-subject-prefix kvx",
+                "nats = \"nats://a:4222\"\nnats-subject-prefix = \"kvx\"",
+                "nats = \"nats://a:4222\"\nnats-subject-prefix = \"kvy\"",
+            ),
+            row(
+                "--nats nats://a:4222 --nats-stream S1",
+                "nats = \"nats://a:4222\"\nnats-stream = \"S1\"",
+                "nats = \"nats://a:4222\"\nnats-stream = \"S2\"",
+            ),
+            row(
+                "--nats nats://a:4222 --nats-replicas 1",
+                "nats = \"nats://a:4222\"\nnats-replicas = 1",
+                "nats = \"nats://a:4222\"\nnats-replicas = 5",
+            ),
+            row(
+                "--nats nats://a:4222 --nats-max-age 30m",
+                "nats = \"nats://a:4222\"\nnats-max-age = \"30m\"",
+                "nats = \"nats://a:4222\"\nnats-max-age = \"2h\"",
+            ),
+            row(
+                "--nats nats://a:4222 --nats-worker-id w1",
+                "nats = \"nats://a:4222\"\nnats-worker-id = \"w1\"",
+                "nats = \"nats://a:4222\"\nnats-worker-id = \"w2\"",
+            ),
+            row(
+                &format!("--nats nats://a:4222 --nats-creds {token}"),
+                &format!("nats = \"nats://a:4222\"\nnats-creds = {token:?}"),
+                &format!("nats = \"nats://a:4222\"\nnats-creds = {token2:?}"),
+            ),
+            row(
+                &format!("--nats nats://a:4222 --nats-tls-ca {cert}"),
+                &format!("nats = \"nats://a:4222\"\nnats-tls-ca = {cert:?}"),
+                &format!("nats = \"nats://a:4222\"\nnats-tls-ca = {cert2:?}"),
             ),
             // Operations.
             row(

@@ -34,3 +34,4 @@ pub mod proto;
 pub mod ring;
 pub mod secrets;
 pub mod sim;
+pub mod sink;

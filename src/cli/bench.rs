@@ -57,6 +57,13 @@ pub(super) struct BenchArgs {
     /// Ring size of the bridge the bench starts.
     #[arg(long = "ring-size", default_value = "64MiB")]
     ring_size: String,
+    /// The bridge the bench starts also publishes to these NATS servers (stream `KVBENCH`,
+    /// subjects `kvbench.>`); the result adds the sink's rate, publish lag and CPU per batch.
+    #[arg(long, value_name = "URL[,URL…]", conflicts_with = "grpc")]
+    nats: Option<String>,
+    /// With --nats: the stream's replicas.
+    #[arg(long = "nats-replicas", default_value_t = 3)]
+    nats_replicas: usize,
 }
 
 /// `kvbridge bench-reader` (internal: one shared-memory reader process of the bench).
@@ -114,6 +121,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     }
     let rt = super::runtime()?;
     let ctx = zmq::Context::new();
+    let mut nats_metrics: Option<std::net::SocketAddr> = None;
     let (grpc, shm, pid, engine, _own) = match &a.grpc {
         Some(g) => {
             let ep = a
@@ -151,6 +159,32 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
             let _ = kvbridge_shm::remove_ring(&shm);
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
+            let mut sink_args: Vec<String> = Vec::new();
+            let mut sink_metrics = None;
+            if let Some(urls) = &a.nats {
+                let m = std::net::TcpListener::bind("127.0.0.1:0")
+                    .and_then(|l| l.local_addr())
+                    .map_err(|e| CliError::Setup(e.to_string()))?;
+                sink_metrics = Some(m);
+                sink_args = [
+                    "--nats",
+                    urls,
+                    "--nats-stream",
+                    "KVBENCH",
+                    "--nats-subject-prefix",
+                    "kvbench",
+                    "--nats-max-age",
+                    "10m",
+                    "--nats-worker-id",
+                    &format!("bench-{}", std::process::id()),
+                    "--nats-replicas",
+                    &a.nats_replicas.to_string(),
+                    "--metrics",
+                    &m.to_string(),
+                ]
+                .map(str::to_string)
+                .to_vec();
+            }
             let child = Command::new(exe)
                 .args([
                     "serve",
@@ -160,11 +194,14 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                     &rep,
                     "--grpc",
                     &grpc,
-                    "--metrics",
-                    "off",
                     "--seq-base",
                     "1",
                 ])
+                .args(if sink_args.is_empty() {
+                    vec!["--metrics".to_string(), "off".to_string()]
+                } else {
+                    sink_args
+                })
                 .arg("--shm")
                 .arg(&shm)
                 .args(["--ring-size", &a.ring_size])
@@ -173,6 +210,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 .spawn()
                 .map_err(|e| CliError::Setup(format!("cannot start kvbridge serve: {e}")))?;
             let pid = child.id();
+            nats_metrics = sink_metrics;
             let own = OwnBridge {
                 child,
                 shm: shm.clone(),
@@ -208,10 +246,31 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     let measure_from = Instant::now() + cfg.warmup;
     let publisher = Publisher::start(engine, cfg.rate, cfg.mix, measure_from);
     let progress = a.duration > 3 && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // The sink's counters at the start of the measured window, read beside the run.
+    let sink_before = nats_metrics.map(|m| {
+        let warmup = cfg.warmup;
+        std::thread::spawn(move || {
+            std::thread::sleep(warmup);
+            crate::bench::nats::scrape(m)
+        })
+    });
     let result = rt.block_on(bench::measure(&cfg, &publisher, progress));
     publisher.stop();
     let result = result.map_err(CliError::Failed)?;
     print!("{}", bench::table(&result));
+    if let (Some(m), Some(before)) = (nats_metrics, sink_before) {
+        let before = before
+            .join()
+            .map_err(|_| CliError::Failed("metrics scrape".into()))?;
+        let after = crate::bench::nats::scrape(m);
+        let s = crate::bench::nats::SinkFigures::between(
+            &before.map_err(CliError::Failed)?,
+            &after.map_err(CliError::Failed)?,
+            result.seconds,
+            result.bridge_cpu_seconds,
+        );
+        print!("{}", s.table(a.nats_replicas));
+    }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&result).expect("serializable");
         std::fs::write(path, text)

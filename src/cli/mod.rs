@@ -9,6 +9,7 @@ mod demo;
 mod json;
 mod serve;
 mod subscribe;
+mod subscribe_nats;
 mod tail;
 
 use clap::{Parser, Subcommand};

@@ -96,6 +96,8 @@ pub struct ServiceHandle {
     health_task: tokio::task::JoinHandle<()>,
     health: tonic_health::server::HealthReporter,
     hubs: Vec<Arc<RingHub>>,
+    /// The NATS JetStream sink, when `--nats` is given.
+    sink: Option<crate::sink::Sink>,
 }
 
 impl ServiceHandle {
@@ -118,6 +120,10 @@ impl ServiceHandle {
         self.metrics.health_serving.set(0);
         let ingest = self.ingest;
         let _ = tokio::task::spawn_blocking(move || ingest.stop()).await;
+        // The sink after ingest: what was committed is published (bounded wait for its acks).
+        if let Some(sink) = self.sink {
+            sink.shutdown().await;
+        }
         let _ = self.shutdown_tx.send(true);
         for h in &self.hubs {
             h.wake_all();
@@ -230,6 +236,22 @@ async fn start_on_rings(
              will see gaps and spurious restarts on this stream"
         );
     }
+    // The NATS sink reads the rings like a subscriber; it starts before ingest so that a NATS
+    // set-up failure (unreachable, stream mismatch) stops the start cleanly.
+    let sink = match &cfg.nats {
+        Some(n) => {
+            let mut rings = vec![("merged".to_string(), merged.clone())];
+            for (hub, r) in rank_hubs.iter().zip(&cfg.ranks) {
+                rings.push((r.rank.to_string(), hub.clone()));
+            }
+            Some(
+                crate::sink::Sink::start(n, grpc_addr.port(), rings, &metrics)
+                    .await
+                    .map_err(|e| setup(e.to_string()))?,
+            )
+        }
+        None => None,
+    };
     let targets = cfg
         .ranks
         .iter()
@@ -316,6 +338,7 @@ async fn start_on_rings(
         health_task,
         health: reporter,
         hubs,
+        sink,
     })
 }
 

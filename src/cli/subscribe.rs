@@ -32,10 +32,16 @@ pub(super) struct SubscribeArgs {
     /// Bearer token file for a bridge started with a token (or env `KVBRIDGE_AUTH_TOKEN`).
     #[arg(long = "auth-token-file", value_name = "FILE")]
     auth_token_file: Option<std::path::PathBuf>,
+    /// Read the stream back from NATS JetStream instead of gRPC (server URLs, comma-separated).
+    #[command(flatten)]
+    nats: super::subscribe_nats::NatsSubscribeArgs,
 }
 
 pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
     let rt = super::runtime()?;
+    if a.nats.nats.is_some() {
+        return rt.block_on(super::subscribe_nats::run(&a.nats, a.from, a.count, a.rank));
+    }
     rt.block_on(async move {
         let scheme = if a.tls_ca.is_some() { "https" } else { "http" };
         let uri = if a.grpc.contains("://") {

