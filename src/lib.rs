@@ -30,5 +30,6 @@ pub mod ingest;
 pub mod metrics;
 pub mod net;
 pub mod proto;
+pub mod proxy;
 pub mod ring;
 pub mod sim;
