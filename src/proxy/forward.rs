@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -108,6 +108,8 @@ pub(crate) async fn forward(
         }),
         engine: upstream.address().to_string(),
         failed: false,
+        held: None,
+        ended: false,
     };
     Response::from_parts(parts, Body::new(body))
 }
@@ -178,29 +180,36 @@ impl Drop for CallRecord {
     }
 }
 
-/// The engine's response body, frame for frame. An upstream error after the headers becomes a
-/// trailers frame with the status it means, so the client's call ends with a gRPC status
-/// rather than a bare reset.
+/// Largest chunk [`Relay`] builds from DATA frames the engine has already delivered.
+const COALESCE_MAX: usize = 64 * 1024;
+
+/// The engine's response body: its bytes, in order, and its trailers. DATA frames that are
+/// already waiting when one is read are joined into one chunk (up to [`COALESCE_MAX`]): gRPC
+/// messages are a byte stream to HTTP/2, frame boundaries carry no meaning, and an engine that
+/// writes one small frame per `Generate` message would otherwise cost a frame (and a wake-up) per
+/// message on both sides of kvbridge. Nothing waits for more data: what is not there yet is not
+/// waited for. An upstream error after the headers becomes a trailers frame with the status it
+/// means, so the client's call ends with a gRPC status rather than a bare reset.
 struct Relay {
     inner: Incoming,
     call: Option<CallRecord>,
     engine: String,
     failed: bool,
+    /// A frame (trailers) or error read while coalescing, returned next.
+    held: Option<Result<Frame<Bytes>, hyper::Error>>,
+    /// The engine's body ended while coalescing.
+    ended: bool,
 }
 
-impl HttpBody for Relay {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if self.failed {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
+impl Relay {
+    /// Bookkeeping for what the engine's body yielded: the status of trailers, an error turned
+    /// into trailers, the end.
+    fn on_frame(
+        &mut self,
+        item: Option<Result<Frame<Bytes>, hyper::Error>>,
+    ) -> Option<Result<Frame<Bytes>, hyper::Error>> {
+        match item {
+            Some(Ok(frame)) => {
                 if let Some(t) = frame.trailers_ref() {
                     let code = t
                         .get("grpc-status")
@@ -210,9 +219,9 @@ impl HttpBody for Relay {
                         call.status = code.or(Some(Code::Unknown as i32));
                     }
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Some(Ok(frame))
             }
-            Poll::Ready(Some(Err(e))) => {
+            Some(Err(e)) => {
                 let reason = std::error::Error::source(&e)
                     .and_then(|s| s.downcast_ref::<h2::Error>())
                     .and_then(|h| h.reason());
@@ -235,23 +244,78 @@ impl HttpBody for Relay {
                 if let Ok(v) = HeaderValue::from_str(&percent_encode(status.message())) {
                     trailers.insert(HeaderName::from_static("grpc-message"), v);
                 }
-                Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+                Some(Ok(Frame::trailers(trailers)))
             }
-            Poll::Ready(None) => {
+            None => {
                 if let Some(call) = &mut self.call {
                     if call.status.is_none() {
                         // Ended without trailers or a status in the headers.
                         call.status = Some(Code::Unknown as i32);
                     }
                 }
-                Poll::Ready(None)
+                None
             }
-            Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+impl HttpBody for Relay {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if let Some(held) = this.held.take() {
+            return Poll::Ready(this.on_frame(Some(held)));
+        }
+        if this.failed || this.ended {
+            return Poll::Ready(this.on_frame(None));
+        }
+        let first = match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(Ok(f))) if f.is_data() => f.into_data().unwrap_or_default(),
+            Poll::Ready(other) => return Poll::Ready(this.on_frame(other)),
+        };
+        if first.len() >= COALESCE_MAX {
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
+        let mut joined: Option<BytesMut> = None;
+        loop {
+            let len = joined.as_ref().map_or(first.len(), |j| j.len());
+            if len >= COALESCE_MAX {
+                break;
+            }
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(f))) if f.is_data() => {
+                    let d = f.into_data().unwrap_or_default();
+                    joined
+                        .get_or_insert_with(|| {
+                            let mut b = BytesMut::with_capacity(COALESCE_MAX.min(len * 8));
+                            b.extend_from_slice(&first);
+                            b
+                        })
+                        .extend_from_slice(&d);
+                }
+                Poll::Ready(Some(other)) => {
+                    this.held = Some(other);
+                    break;
+                }
+                Poll::Ready(None) => {
+                    this.ended = true;
+                    break;
+                }
+                Poll::Pending => break,
+            }
+        }
+        let data = joined.map_or(first, BytesMut::freeze);
+        Poll::Ready(Some(Ok(Frame::data(data))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.failed || self.inner.is_end_stream()
+        self.held.is_none() && (self.failed || self.ended || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | `Echo` | unary | answers the request message; response headers echo the request's `x-*` metadata as `echo-x-*`, and `grpc-timeout` as `echo-grpc-timeout` |
 //! | `Generate` | server streaming | request = count u32 LE, size u32 LE; answers `count` messages of [`generate_message`] |
+//! | `Ticks` | server streaming | request = count u32 LE, interval µs u32 LE; answers `count` 64-byte messages, one per interval, each starting with the Unix ns at which it was sent (u64 LE) |
 //! | `Fail` | unary | one message, then trailers `grpc-status` 9, a message and `grpc-status-details-bin` |
 //! | `Slow` | unary | waits for the request's `grpc-timeout` to pass, then answers `DEADLINE_EXCEEDED` itself |
 //! | `Hang` | server streaming | one message, then waits until the client goes away and counts it in `cancelled` |
@@ -64,6 +65,14 @@ pub fn generate_message(i: u32, size: u32) -> Bytes {
         b.put_u8((x & 0xff) as u8);
     }
     b.freeze()
+}
+
+/// Wall-clock Unix nanoseconds (the engine and the client share the machine's clock).
+pub fn unix_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
 }
 
 /// One gRPC length-prefixed message.
@@ -151,10 +160,13 @@ impl GrpcEngine {
                         let st = st.clone();
                         async move { Ok::<_, Infallible>(handle(st, req).await) }
                     });
-                    // Like grpcio: no stream limit worth mentioning.
+                    // Like grpcio: no stream limit worth mentioning, and windows large enough
+                    // that h2's small-DATA-frame budget (half the connection window) never
+                    // closes the connection while 1,000 small requests wait to be read.
                     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .max_concurrent_streams(u32::MAX)
-                        .adaptive_window(true)
+                        .initial_stream_window_size(4 << 20)
+                        .initial_connection_window_size(1 << 30)
                         .serve_connection(TokioIo::new(sock), svc)
                         .await;
                 });
@@ -254,6 +266,27 @@ async fn handle(st: Arc<Stats>, req: Request<Incoming>) -> Response<RespBody> {
             tokio::spawn(async move {
                 for i in 0..count {
                     if !send(&tx, &generate_message(i, size)).await {
+                        return;
+                    }
+                }
+                end(&tx, 0, "").await;
+            });
+        }
+        "Ticks" => {
+            let msg = next_message(&mut body, &mut buf).await.unwrap_or_default();
+            let mut m = &msg[..];
+            let (count, every) = if m.len() >= 8 {
+                (m.get_u32_le(), m.get_u32_le())
+            } else {
+                (1, 1000)
+            };
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_micros(every.max(1) as u64));
+                for _ in 0..count {
+                    tick.tick().await;
+                    let mut b = [0u8; 64];
+                    b[..8].copy_from_slice(&unix_nanos().to_le_bytes());
+                    if !send(&tx, &b).await {
                         return;
                     }
                 }
