@@ -17,10 +17,10 @@
 //!   throughput run divided by the messages it forwarded.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code, unreachable_pub, missing_docs)]
+#[allow(unreachable_pub, missing_docs)]
 mod common;
 #[path = "../tests/common/grpc_engine.rs"]
-#[allow(dead_code, unreachable_pub, missing_docs)]
+#[allow(unreachable_pub, missing_docs)]
 mod grpc_engine;
 
 use std::time::Instant;
