@@ -48,8 +48,12 @@ fn request(a: u32, b: u32) -> Bytes {
 }
 
 async fn channel(url: &str) -> Channel {
+    // Windows as a G2 gateway's channel (docs/smg-api.md §3.1: 512 MiB per connection), which
+    // also keeps h2's small-DATA-frame budget (half the connection window) out of the way.
     Channel::from_shared(url.to_string())
         .unwrap()
+        .initial_connection_window_size(512 << 20)
+        .initial_stream_window_size(256 << 10)
         .connect()
         .await
         .unwrap()
