@@ -104,6 +104,9 @@ const GET_LOADS: [(&str, bool); 3] = [
     ),
 ];
 
+/// How long an engine without `GetLoads` is left alone before kvbridge asks again.
+const UNSUPPORTED_RETRY: Duration = Duration::from_secs(30);
+
 /// One answer of the engine: a load per DP rank (`None`: the engine has a single rank).
 #[derive(Debug)]
 pub struct LoadSample {
@@ -158,8 +161,14 @@ pub(super) async fn poll(
     let mut path: Option<usize> = None;
     let mut sample = 0u64;
     let mut warned = false;
+    // An engine that has no GetLoads at all (every path UNIMPLEMENTED: TRT-LLM, a test engine)
+    // is asked again only every UNSUPPORTED_RETRY, not three calls per interval.
+    let mut unsupported_until: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
+        if unsupported_until.is_some_and(|t| tokio::time::Instant::now() < t) {
+            continue;
+        }
         let Some(s) = sidecar.upgrade() else { return };
         let order: Vec<usize> = match path {
             Some(i) => vec![i],
@@ -186,6 +195,12 @@ pub(super) async fn poll(
             }
         }
         let Some((i, bytes)) = answer else {
+            if last_err
+                .as_ref()
+                .is_some_and(|e| e.code() == Code::Unimplemented)
+            {
+                unsupported_until = Some(tokio::time::Instant::now() + UNSUPPORTED_RETRY);
+            }
             s.metrics
                 .proxy
                 .load_polls
@@ -202,6 +217,7 @@ pub(super) async fn poll(
         };
         path = Some(i);
         warned = false;
+        unsupported_until = None;
         let resp = match GetLoadsResponse::decode(bytes) {
             Ok(r) => r,
             Err(e) => {
