@@ -11,7 +11,9 @@
 //!   routed to X: four prompts, stored alternately on B, A, B, A, each go to the engine that
 //!   holds them (the engines log every `Generate`'s prompt tokens), each request sent once the
 //!   gateway's own `smg_kv_event_batches_total{disposition="applied"}` for that worker URL shows
-//!   the store applied.
+//!   the store applied;
+//! - the gateway's view of a worker's load (`smg_engine_running_requests`) follows the engine's
+//!   `GetLoads` through the sidecar's `load_only` records, which it counts as applied.
 //!
 //! FAILS (never skips) when the wheel cannot be installed.
 
@@ -276,6 +278,10 @@ fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
             &prom.to_string(),
             "--block-size",
             &BLOCK.to_string(),
+            // The gateway's own GetLoads polling once an hour: what it learns about load
+            // during the test comes from kvbridge's load records.
+            "--load-monitor-interval",
+            "3600",
         ]),
     );
     let fail = |what: &str| -> ! {
@@ -375,6 +381,55 @@ fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
             ));
         }
     }
+    // Load: the engine behind B reports 37 running requests; the gateway's view of B follows
+    // from the sidecar's `load_only` records (G2 polls GetLoads itself every 10 s by default;
+    // here once an hour).
+    let b_url = format!("grpc://{}", b.bridge.grpc);
+    let gauge = |page: &str| {
+        metric(
+            page,
+            "smg_engine_running_requests",
+            &[("worker", &b_url), ("dp_rank", "0")],
+        )
+    };
+    let polls = |page: &str| {
+        metric(
+            page,
+            "smg_engine_load_polls_total",
+            &[("worker", &b_url), ("mode", "poll")],
+        )
+    };
+    let before = get_metrics(prom);
+    assert_eq!(gauge(&before), 0.0, "B idle before");
+    std::fs::write(gen_log.with_extension("jsonl.running-B"), "37").unwrap();
+    let changed = Instant::now();
+    let page = loop {
+        let page = get_metrics(prom);
+        if gauge(&page) == 37.0 {
+            break page;
+        }
+        if changed.elapsed() > T {
+            fail("the gateway's view of B's load never followed the engine's");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    println!(
+        "gateway saw B's running requests change after {:?} (kvbridge --load-interval-ms 500)",
+        changed.elapsed()
+    );
+    assert!(
+        metric(
+            &page,
+            "smg_kv_event_batches_total",
+            &[("worker", &b_url), ("disposition", "load_only")]
+        ) >= 1.0,
+        "load_only records applied by the gateway"
+    );
+    assert_eq!(
+        polls(&page),
+        polls(&before),
+        "not from the gateway's own GetLoads poll"
+    );
     drop(gateway);
     a.bridge.stop();
     b.bridge.stop();

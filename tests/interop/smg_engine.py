@@ -2,7 +2,8 @@
 
 It answers what an SMG gateway asks of a gRPC worker while registering and routing:
 `VllmEngine/HealthCheck`, `GetModelInfo` (pointing at a local tokenizer directory), and
-`Generate` (one `GenerateComplete` echoing a single token), and refuses every other method with
+`Generate` (one `GenerateComplete` with a single token), `GetLoads` (the running-request count
+read from a file the test writes), and refuses every other method with
 UNIMPLEMENTED, as a real engine of another runtime would. Each Generate's prompt token ids are
 appended, one JSON line per call, to the log file given on the command line: the test's evidence
 of which engine the gateway routed a request to.
@@ -122,6 +123,18 @@ def generate(req, _ctx):
     yield f_bytes(2, complete)  # GenerateResponse.complete
 
 
+def get_loads(_req, _ctx):
+    """vLLM GetLoadsResponse: dp_rank_count (3) = 1, one SchedulerLoad (4) whose
+    num_running_reqs (2) is read from LOG + ".running-" + NAME (0 when absent)."""
+    try:
+        with open(LOG + ".running-" + NAME) as f:
+            running = int(f.read().strip() or 0)
+    except OSError:
+        running = 0
+    load = f_varint(2, running) + f_varint(3, 0) + f_varint(11, 256)
+    return f_varint(3, 1) + f_bytes(4, load)
+
+
 def raw(b):
     return b
 
@@ -131,6 +144,8 @@ HANDLERS = {
         health, request_deserializer=raw, response_serializer=raw),
     "/vllm.grpc.engine.VllmEngine/GetModelInfo": grpc.unary_unary_rpc_method_handler(
         model_info, request_deserializer=raw, response_serializer=raw),
+    "/vllm.grpc.engine.VllmEngine/GetLoads": grpc.unary_unary_rpc_method_handler(
+        get_loads, request_deserializer=raw, response_serializer=raw),
     "/vllm.grpc.engine.VllmEngine/Generate": grpc.unary_stream_rpc_method_handler(
         generate, request_deserializer=raw, response_serializer=raw),
 }
