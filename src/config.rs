@@ -280,6 +280,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub ops: OpsArgs,
+    /// Sidecar mode (issue 9): the engine's gRPC server behind kvbridge.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub proxy: ProxyArgs,
     /// Keys of a TOML file that name no setting (`deny_unknown_fields` does not work with
     /// `flatten`); never set from flags, rejected by [`ServeArgs::resolve`].
     #[arg(skip)]
@@ -301,8 +305,16 @@ impl ServeArgs {
             security,
             nats,
             ops,
+            proxy,
             ..
         } = self.clone();
+        // Sidecar mode raises the default stream limit (see `ProxyArgs`), so whether the flag
+        // was given at all is noted before it is resolved.
+        let streams_given = streaming
+            .max_streams_per_connection
+            .or(file.streaming.max_streams_per_connection)
+            .is_some();
+        let proxy = proxy.merge(file.proxy).validate()?;
         let engine = engine.merge(file.engine).validate()?;
         let streaming = streaming.merge(file.streaming).validate()?;
         let ring = ring.merge(file.ring).validate()?;
@@ -331,9 +343,13 @@ impl ServeArgs {
             tls: security.tls,
             auth_token: security.auth_token,
             secret_files: security.files,
-            max_streams_per_connection: streaming.max_streams_per_connection,
+            max_streams_per_connection: match &proxy {
+                Some(_) if !streams_given => PROXY_MAX_STREAMS_PER_CONNECTION,
+                _ => streaming.max_streams_per_connection,
+            },
             handshake_timeout: streaming.handshake_timeout,
             nats,
+            proxy,
         })
     }
 
@@ -942,6 +958,145 @@ impl NatsArgs {
     }
 }
 
+// ---- Sidecar mode (issue 9, docs/smg-api.md §2 "Proxy mode") ----
+
+/// Default `--load-interval-ms` in sidecar mode.
+pub const DEFAULT_LOAD_INTERVAL_MS: u64 = 500;
+/// Longest `--load-interval-ms`.
+pub const MAX_LOAD_INTERVAL_MS: u64 = 3_600_000;
+/// HTTP/2 max concurrent streams per client connection in sidecar mode when
+/// `--max-streams-per-connection` is not given: gRPC servers (grpcio, which vLLM and SGLang
+/// serve with) advertise no limit, and kvbridge must never advertise a lower one than the engine
+/// (docs/smg-api.md §2), so the default is "no practical limit".
+pub const PROXY_MAX_STREAMS_PER_CONNECTION: u32 = u32::MAX;
+
+concern! {
+    /// Sidecar mode: kvbridge listens on the worker URL the gateway registers, serves
+    /// `SubscribeKvEvents` itself and forwards every other call to the engine's gRPC server.
+    #[command(next_help_heading = "Sidecar")]
+    pub struct ProxyArgs {
+        /// The engine's gRPC server, `HOST:PORT` (`http://`, `grpc://` prefixes accepted;
+        /// `https://` / `grpcs://` = TLS, with --engine-tls-ca). Turns sidecar mode on: every call
+        /// but SubscribeKvEvents is forwarded there, and the gateway is given kvbridge's --grpc
+        /// address as the worker URL.
+        #[arg(long, value_name = "HOST:PORT")]
+        pub engine_grpc: Option<String>,
+        /// CA certificate(s) (PEM) that sign the engine's gRPC TLS certificate; needs an
+        /// `https://` --engine-grpc.
+        #[arg(long, value_name = "FILE")]
+        pub engine_tls_ca: Option<PathBuf>,
+        /// Poll the engine's GetLoads this often and send `load_only` records to subscribers that
+        /// ask for them (0 = off) [default: 500].
+        #[arg(long, value_name = "MS")]
+        pub load_interval_ms: Option<u64>,
+    }
+}
+
+/// Where the engine's gRPC server is, as `--engine-grpc` gave it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineGrpc {
+    /// TLS to the engine.
+    pub tls: bool,
+    /// Host name or IP (without brackets).
+    pub host: String,
+    /// Port.
+    pub port: u16,
+}
+
+impl std::fmt::Display for EngineGrpc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = if self.tls { "https" } else { "http" };
+        if self.host.contains(':') {
+            write!(f, "{scheme}://[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{scheme}://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Validated sidecar settings.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// The engine's gRPC server.
+    pub engine: EngineGrpc,
+    /// PEM CA bundle for TLS to the engine.
+    pub tls_ca: Option<Vec<u8>>,
+    /// GetLoads polling period; `None` = off.
+    pub load_interval: Option<Duration>,
+}
+
+/// Parses `--engine-grpc`: `[scheme://]HOST:PORT`, an IPv6 host in brackets.
+pub fn parse_engine_grpc(text: &str) -> Result<EngineGrpc, String> {
+    let t = text.trim();
+    let (tls, rest) = if let Some(r) = t.strip_prefix("https://").or(t.strip_prefix("grpcs://")) {
+        (true, r)
+    } else if let Some(r) = t.strip_prefix("http://").or(t.strip_prefix("grpc://")) {
+        (false, r)
+    } else if t.contains("://") {
+        return Err("scheme must be http://, https://, grpc:// or grpcs://".into());
+    } else {
+        (false, t)
+    };
+    let rest = rest.trim_end_matches('/');
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or("expected HOST:PORT, e.g. 127.0.0.1:50051")?;
+    let port: u16 = port.parse().map_err(|_| format!("bad port {port:?}"))?;
+    if port == 0 {
+        return Err("port 0: give the engine's actual gRPC port".into());
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host.contains('/') {
+        return Err("expected HOST:PORT, e.g. 127.0.0.1:50051".into());
+    }
+    Ok(EngineGrpc {
+        tls,
+        host: host.to_string(),
+        port,
+    })
+}
+
+impl ProxyArgs {
+    fn validate(self) -> Result<Option<ProxyConfig>, ConfigError> {
+        let Some(text) = self.engine_grpc else {
+            if self.load_interval_ms.is_some() || self.engine_tls_ca.is_some() {
+                return Err(invalid(
+                    "--load-interval-ms and --engine-tls-ca need --engine-grpc (sidecar mode)",
+                ));
+            }
+            return Ok(None);
+        };
+        let engine = parse_engine_grpc(&text)
+            .map_err(|e| invalid(format!("--engine-grpc {text:?}: {e}")))?;
+        let tls_ca = match (&self.engine_tls_ca, engine.tls) {
+            (Some(p), true) => Some(read_pem("--engine-tls-ca", p, "CERTIFICATE")?),
+            (Some(_), false) => {
+                return Err(invalid(format!(
+                    "--engine-tls-ca needs TLS to the engine: write --engine-grpc https://{}:{}",
+                    engine.host, engine.port
+                )))
+            }
+            (None, true) => {
+                return Err(invalid(
+                    "--engine-grpc https://…: give the CA that signs the engine's certificate with --engine-tls-ca FILE",
+                ))
+            }
+            (None, false) => None,
+        };
+        let ms = self.load_interval_ms.unwrap_or(DEFAULT_LOAD_INTERVAL_MS);
+        if ms > MAX_LOAD_INTERVAL_MS {
+            return Err(invalid(format!(
+                "--load-interval-ms {ms}: must be at most an hour ({MAX_LOAD_INTERVAL_MS}); 0 turns polling off"
+            )));
+        }
+        Ok(Some(ProxyConfig {
+            engine,
+            tls_ca,
+            load_interval: (ms > 0).then(|| Duration::from_millis(ms)),
+        }))
+    }
+}
+
 /// The validated configuration of `kvbridge serve`.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
@@ -993,6 +1148,8 @@ pub struct ServeConfig {
     pub handshake_timeout: Duration,
     /// The NATS JetStream sink, when `--nats` is given.
     pub nats: Option<NatsConfig>,
+    /// Sidecar mode: the engine's gRPC server everything but `SubscribeKvEvents` goes to.
+    pub proxy: Option<ProxyConfig>,
 }
 
 impl ServeConfig {
@@ -1405,6 +1562,60 @@ mod tests {
     }
 
     #[test]
+    fn engine_grpc_addresses() {
+        let e = parse_engine_grpc("127.0.0.1:50051").unwrap();
+        assert_eq!(
+            (e.tls, e.host.as_str(), e.port),
+            (false, "127.0.0.1", 50051)
+        );
+        assert_eq!(e.to_string(), "http://127.0.0.1:50051");
+        let e = parse_engine_grpc("https://engine.local:443/").unwrap();
+        assert_eq!(
+            (e.tls, e.host.as_str(), e.port),
+            (true, "engine.local", 443)
+        );
+        let e = parse_engine_grpc("grpc://[::1]:50051").unwrap();
+        assert_eq!(
+            (e.host.as_str(), e.to_string()),
+            ("::1", "http://[::1]:50051".into())
+        );
+        for bad in ["", "engine", "host:0", "host:x", "ftp://h:1", ":5", "h/x:1"] {
+            assert!(parse_engine_grpc(bad).is_err(), "{bad:?} accepted");
+        }
+        // TLS needs the CA; the CA needs TLS; polling needs sidecar mode.
+        let err = |argv: &[&str]| flags(argv).resolve().unwrap_err().to_string();
+        assert!(err(&["--zmq", "tcp://*:1", "--engine-grpc", "https://h:1"])
+            .contains("--engine-tls-ca"));
+        assert!(err(&["--zmq", "tcp://*:1", "--load-interval-ms", "5"]).contains("--engine-grpc"));
+        let ok = flags(&["--zmq", "tcp://*:1", "--engine-grpc", "h:1"])
+            .resolve()
+            .unwrap();
+        let p = ok.proxy.unwrap();
+        assert_eq!(
+            p.load_interval,
+            Some(Duration::from_millis(DEFAULT_LOAD_INTERVAL_MS))
+        );
+        assert_eq!(
+            ok.max_streams_per_connection,
+            PROXY_MAX_STREAMS_PER_CONNECTION
+        );
+        let capped = flags(&[
+            "--zmq",
+            "tcp://*:1",
+            "--engine-grpc",
+            "h:1",
+            "--max-streams-per-connection",
+            "50",
+        ])
+        .resolve()
+        .unwrap();
+        assert_eq!(
+            capped.max_streams_per_connection, 50,
+            "an explicit limit is kept"
+        );
+    }
+
+    #[test]
     fn unknown_toml_keys_are_rejected_by_name() {
         let dir = tempfile::tempdir().unwrap();
         let base = "zmq = [\"tcp://*:5557\"]\n";
@@ -1424,7 +1635,8 @@ mod tests {
                 msg.contains(&format!("unknown field `{key}`, expected one of `zmq`, ")),
                 "{text}: {msg}"
             );
-            assert!(msg.ends_with("`health-grace-ms`"), "{msg}");
+            let last = ServeArgs::setting_names().pop().unwrap();
+            assert!(msg.ends_with(&format!("`{last}`")), "{msg}");
         }
     }
 
@@ -1661,6 +1873,22 @@ mod tests {
                 "--health-grace-ms 250",
                 "health-grace-ms = 250",
                 "health-grace-ms = 300",
+            ),
+            // Sidecar.
+            row(
+                "--engine-grpc 127.0.0.1:50051",
+                r#"engine-grpc = "127.0.0.1:50051""#,
+                r#"engine-grpc = "http://127.0.0.1:50052""#,
+            ),
+            row(
+                &format!("--engine-grpc https://engine:50051 --engine-tls-ca {cert}"),
+                &format!("engine-grpc = \"https://engine:50051\"\nengine-tls-ca = {cert:?}"),
+                &format!("engine-grpc = \"https://engine:50051\"\nengine-tls-ca = {cert2:?}"),
+            ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --load-interval-ms 0",
+                "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 0",
+                "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 250",
             ),
         ]
     }

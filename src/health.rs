@@ -5,9 +5,13 @@
 //! after start-up and after the last disconnect (an engine restart, a rolling update); otherwise
 //! NOT_SERVING. The status is set for the whole server (`""`) and for each of the four
 //! `SubscribeKvEvents` services.
+//!
+//! In sidecar mode (`--engine-grpc`) SERVING also needs the engine's gRPC server to answer
+//! (see [`UpstreamState::gate_on_engine`]): the worker URL is then both the event feed and the
+//! engine, and a load balancer must not send traffic to either half that is down.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tonic_health::server::HealthReporter;
@@ -21,6 +25,8 @@ pub struct UpstreamState {
     start: Instant,
     /// Milliseconds after `start` of the last disconnect, plus one (0: none yet).
     last_disconnect_ms: AtomicU64,
+    /// Sidecar mode: true while the engine's gRPC server answers.
+    engine: OnceLock<Arc<AtomicBool>>,
 }
 
 impl UpstreamState {
@@ -30,6 +36,7 @@ impl UpstreamState {
             connected: (0..ranks).map(|_| AtomicI64::new(0)).collect(),
             start: Instant::now(),
             last_disconnect_ms: AtomicU64::new(0),
+            engine: OnceLock::new(),
         })
     }
 
@@ -70,8 +77,25 @@ impl UpstreamState {
             .count()
     }
 
-    /// SERVING: a publisher is connected, or start-up / the last disconnect is within `grace`.
+    /// Sidecar mode: from now on SERVING also needs `answering` (the engine's gRPC server
+    /// answers kvbridge's probe). Set once; later calls are ignored.
+    pub fn gate_on_engine(&self, answering: Arc<AtomicBool>) {
+        let _ = self.engine.set(answering);
+    }
+
+    /// Whether the engine's gRPC server answers (`None` outside sidecar mode).
+    pub fn engine_answers(&self) -> Option<bool> {
+        self.engine.get().map(|a| a.load(Ordering::Acquire))
+    }
+
+    /// SERVING: the event feed is healthy (below) and, in sidecar mode, the engine answers.
     pub fn serving(&self, grace: Duration) -> bool {
+        self.engine_answers().unwrap_or(true) && self.feed_serving(grace)
+    }
+
+    /// The event feed is healthy: a publisher is connected, or start-up / the last disconnect
+    /// is within `grace`.
+    pub fn feed_serving(&self, grace: Duration) -> bool {
         if self.connected_ranks() > 0 {
             return true;
         }
@@ -109,6 +133,8 @@ pub async fn run_reporter(
         tracing::info!(
             serving,
             connected_ranks = state.connected_ranks(),
+            feed = state.feed_serving(grace),
+            engine_answers = ?state.engine_answers(),
             "health status changed"
         );
         reporter.set_service_status("", status).await;
@@ -139,5 +165,19 @@ mod tests {
         assert_eq!(s.on_connect(0), 1);
         assert_eq!(s.connected_ranks(), 1);
         assert_eq!(s.on_connect(7), 0, "unknown rank ignored");
+    }
+
+    #[test]
+    fn sidecar_serving_needs_the_engine_too() {
+        let s = UpstreamState::new(1);
+        s.on_connect(0);
+        assert_eq!(s.engine_answers(), None);
+        let engine = Arc::new(AtomicBool::new(false));
+        s.gate_on_engine(engine.clone());
+        assert!(!s.serving(Duration::ZERO), "engine silent");
+        engine.store(true, Ordering::Release);
+        assert!(s.serving(Duration::ZERO));
+        s.on_disconnect(0);
+        assert!(!s.serving(Duration::ZERO), "feed down");
     }
 }

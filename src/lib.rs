@@ -31,6 +31,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod net;
 pub mod proto;
+pub mod proxy;
 pub mod ring;
 pub mod secrets;
 pub mod sim;

@@ -287,6 +287,19 @@ async fn start_on_rings(
     ));
     let metrics_task =
         metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
+    // Sidecar mode (issue 9): the engine's gRPC server behind the same listener; health then
+    // also needs the engine, and subscribers that ask get its load records.
+    let sidecar = match &cfg.proxy {
+        Some(p) => {
+            let s = crate::proxy::Sidecar::start(p, metrics.clone()).map_err(setup)?;
+            upstream.gate_on_engine(s.engine_answers());
+            if let Some(feed) = s.load_feed() {
+                fanout.attach_load_feed(feed);
+            }
+            Some(s)
+        }
+        None => None,
+    };
     let (reporter, _) = tonic_health::server::health_reporter();
     let health_task = tokio::spawn(crate::health::run_reporter(
         reporter.clone(),
@@ -302,6 +315,7 @@ async fn start_on_rings(
         handshake_timeout: Some(cfg.handshake_timeout),
         health: Some(reporter.clone()),
         reload: Some(cfg.secret_files.clone()),
+        sidecar,
     };
     let edge = crate::fanout::edge(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;

@@ -80,6 +80,9 @@ pub struct Fanout {
     pub max_subscribers: usize,
     active: AtomicUsize,
     shutdown: tokio::sync::watch::Receiver<bool>,
+    /// Sidecar mode: the engine's load samples, interleaved as `load_only` records for
+    /// subscribers that set request field 2 (docs/smg-api.md §3.5; see `crate::proxy`).
+    load_feed: std::sync::OnceLock<crate::proxy::LoadFeed>,
 }
 
 impl Fanout {
@@ -98,7 +101,14 @@ impl Fanout {
             max_subscribers,
             active: AtomicUsize::new(0),
             shutdown,
+            load_feed: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Sidecar mode: send the engine's load samples to subscribers that ask for load records.
+    /// Set once, before serving; later calls are ignored.
+    pub fn attach_load_feed(&self, feed: crate::proxy::LoadFeed) {
+        let _ = self.load_feed.set(feed);
     }
 
     /// Number of open subscriptions.

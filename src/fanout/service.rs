@@ -103,6 +103,7 @@ impl PathHandler {
             .get(DP_RANK_HEADER)
             .map(|v| v.as_bytes().to_vec());
         let start = req.get_ref().start_sequence_number;
+        let wants_load = req.get_ref().load_records_before_first_batch;
         let sub = self.fanout.subscribe(self.path, start, rank.as_deref())?;
         tracing::debug!(path = self.path, start, "subscription opened");
         // Everything a delivery touches is resolved once here and moved through the stream's
@@ -121,6 +122,11 @@ impl PathHandler {
             st.account(&item);
             Some((item, st))
         });
+        // Load records (sidecar mode) only for clients that accept them (docs/smg-api.md §3.5).
+        if let (true, Some(feed)) = (wants_load, self.fanout.load_feed.get()) {
+            let stream = crate::proxy::with_load_records(Box::pin(stream), feed.clone());
+            return Ok(Response::new(Box::pin(stream)));
+        }
         Ok(Response::new(Box::pin(stream)))
     }
 }
@@ -195,6 +201,8 @@ pub struct EdgeOptions {
     /// Re-read `tls` and `auth_token` from these files on SIGHUP and when they change
     /// (`crate::secrets`); `None`: they stay as given for the whole run.
     pub reload: Option<crate::config::SecretFiles>,
+    /// Sidecar mode: every call but `SubscribeKvEvents` and health goes to this engine.
+    pub sidecar: Option<Arc<crate::proxy::Sidecar>>,
 }
 
 /// The fully-qualified names of the four `SubscribeKvEvents` services.
@@ -225,7 +233,9 @@ fn with_path<S: tonic::server::NamedService>(
 
 /// The gRPC edge, ready to serve: the router and what wraps every accepted connection.
 pub struct Edge {
-    router: tonic::transport::server::Router,
+    routes: tonic::service::Routes,
+    max_streams: Option<u32>,
+    sidecar: Option<Arc<crate::proxy::Sidecar>>,
     secrets: Arc<crate::secrets::Secrets>,
     reload: Option<crate::config::SecretFiles>,
     handshake_timeout: Duration,
@@ -247,7 +257,9 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
     let metrics = fanout.metrics.clone();
     let secrets = Arc::new(crate::secrets::Secrets::new(tls, opts.auth_token.clone()));
     Ok(Edge {
-        router: router_with(fanout, opts, &secrets),
+        routes: routes_with(fanout, opts, &secrets),
+        max_streams: opts.max_streams_per_connection,
+        sidecar: opts.sidecar.clone(),
         secrets,
         reload: opts.reload.clone(),
         handshake_timeout,
@@ -255,19 +267,16 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
     })
 }
 
-fn router_with(
+fn routes_with(
     fanout: Arc<Fanout>,
     opts: &EdgeOptions,
     secrets: &Arc<crate::secrets::Secrets>,
-) -> tonic::transport::server::Router {
+) -> tonic::service::Routes {
     let h = |path: &'static str| PathHandler {
         fanout: fanout.clone(),
         path,
         secrets: secrets.clone(),
     };
-    // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
-    // deadline (tonic's own TLS would hold a silent client's handshake open forever).
-    let mut builder = server_builder().max_concurrent_streams(opts.max_streams_per_connection);
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -277,19 +286,18 @@ fn router_with(
     let v1alpha = reflection().build_v1alpha().expect("valid descriptor set");
     // Records are kept under 4 MiB by the decoder's split threshold; the encode limit is left
     // at tonic's default (unlimited) so a limit here can never turn a valid record into an error.
-    let mut router = builder
-        .add_service(with_path(SglangSchedulerServer::new, &h))
+    let mut routes = tonic::service::Routes::new(with_path(SglangSchedulerServer::new, &h))
         .add_service(with_path(VllmEngineServer::new, &h))
         .add_service(with_path(TokenSpeedSchedulerServer::new, &h))
         .add_service(with_path(TrtllmServiceServer::new, &h))
         .add_service(v1)
         .add_service(v1alpha);
     if let Some(reporter) = &opts.health {
-        router = router.add_service(tonic_health::pb::health_server::HealthServer::new(
+        routes = routes.add_service(tonic_health::pb::health_server::HealthServer::new(
             tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
         ));
     }
-    router
+    routes
 }
 
 /// Transport settings: SMG pings every 30 s even when idle, so pings are accepted (tonic does not
@@ -313,7 +321,9 @@ impl Edge {
     ) -> Result<(), tonic::transport::Error> {
         use crate::net::{tune, Acceptor, EdgeIo};
         let Edge {
-            router,
+            routes,
+            max_streams,
+            sidecar,
             secrets,
             reload,
             handshake_timeout,
@@ -333,11 +343,24 @@ impl Edge {
                 // connection's session alone.
                 let tls = secrets.tls();
                 let io = EdgeIo::new(sock, tls.as_deref(), handshake_timeout, timeouts);
-                Some((Ok::<_, std::io::Error>(io), acceptor))
+                Some((io, acceptor))
             }
         });
-        let r = router
-            .serve_with_incoming_shutdown(incoming, shutdown)
+        if let Some(sidecar) = sidecar {
+            // Sidecar mode: kvbridge's routes for its own paths, the engine for the rest.
+            let max_streams =
+                max_streams.unwrap_or(crate::config::PROXY_MAX_STREAMS_PER_CONNECTION);
+            sidecar.serve(routes, incoming, max_streams, shutdown).await;
+            drop(watcher);
+            return Ok(());
+        }
+        // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
+        // deadline (tonic's own TLS would hold a silent client's handshake open forever).
+        use futures_util::StreamExt;
+        let r = server_builder()
+            .max_concurrent_streams(max_streams)
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(incoming.map(Ok::<_, std::io::Error>), shutdown)
             .await;
         drop(watcher);
         r

@@ -96,6 +96,8 @@ pub struct Metrics {
     pub send_latency: HistogramVec,
     /// Per-subscriber lag (N − the sequence just handed off), observed at every hand-off.
     pub subscriber_lag: Histogram,
+    /// Sidecar mode (`--engine-grpc`): forwarding to the engine.
+    pub proxy: ProxyMetrics,
 }
 
 fn counter(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -340,6 +342,7 @@ impl Metrics {
             statuses: counter(&r, "statuses_total", "gRPC statuses emitted", &["code"]),
             send_latency,
             subscriber_lag,
+            proxy: ProxyMetrics::new(&r),
             registry: r,
         }
     }
@@ -492,4 +495,84 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Me
 /// Binds the metrics listener (errors are reported by the caller as one line).
 pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr).await
+}
+
+// ---- Sidecar mode (issue 9) ----
+
+/// Metrics of sidecar mode: calls forwarded to the engine's gRPC server. Registered in every
+/// mode (all zero without `--engine-grpc`), so dashboards need no second variant.
+pub struct ProxyMetrics {
+    /// Forwarded calls, by method (`/package.Service/Method`, or `other`) and final gRPC status
+    /// (`cancelled` also for a client that went away).
+    pub calls: IntCounterVec,
+    /// HTTP/2 connections to the engine currently open.
+    pub connections: IntGauge,
+    /// Connection attempts to the engine, by outcome (`ok`, `failed`).
+    pub connects: IntCounterVec,
+    /// 1 while the engine's gRPC server answers kvbridge's probe, else 0.
+    pub engine_up: IntGauge,
+    /// Time kvbridge adds before a call reaches the engine's connection: routing, header
+    /// rewrite, picking (or opening) a pooled connection. Seconds.
+    pub overhead: Histogram,
+    /// From a forwarded request's arrival to the engine's response headers. Seconds.
+    pub headers_latency: Histogram,
+    /// `GetLoads` polls, by outcome (`ok`, `failed`, `undecodable`).
+    pub load_polls: IntCounterVec,
+}
+
+impl ProxyMetrics {
+    fn new(r: &Registry) -> Self {
+        let histogram = |name: &str, help: &str, start: f64| {
+            let h = Histogram::with_opts(
+                HistogramOpts::new(name, help)
+                    .buckets(prometheus::exponential_buckets(start, 2.5, 14).expect("buckets")),
+            )
+            .expect("histogram");
+            r.register(Box::new(h.clone())).expect("unique metric");
+            h
+        };
+        let int_gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("metric");
+            r.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        ProxyMetrics {
+            calls: counter(
+                r,
+                "proxy_calls_total",
+                "Calls forwarded to the engine, by method and final gRPC status",
+                &["method", "code"],
+            ),
+            connections: int_gauge(
+                "proxy_upstream_connections",
+                "HTTP/2 connections to the engine open",
+            ),
+            connects: counter(
+                r,
+                "proxy_upstream_connects_total",
+                "Connection attempts to the engine, by outcome",
+                &["outcome"],
+            ),
+            engine_up: int_gauge(
+                "proxy_engine_up",
+                "1 while the engine's gRPC server answers kvbridge's probe",
+            ),
+            overhead: histogram(
+                "proxy_added_latency_seconds",
+                "Time kvbridge adds before a forwarded call reaches the engine connection",
+                1e-6,
+            ),
+            headers_latency: histogram(
+                "proxy_response_headers_seconds",
+                "Forwarded request arrival to the engine's response headers",
+                1e-5,
+            ),
+            load_polls: counter(
+                r,
+                "proxy_load_polls_total",
+                "GetLoads polls of the engine, by outcome",
+                &["outcome"],
+            ),
+        }
+    }
 }

@@ -1,0 +1,190 @@
+//! Sidecar mode (issue 9), side by side in one run: the same test engine (`tests/common/
+//! grpc_engine.rs`, in this process) reached directly and through `kvbridge serve --engine-grpc`
+//! (the release binary, a child process).
+//!
+//! ```text
+//! cargo bench --bench proxy              # a few seconds per row
+//! PROXY_BENCH_TICKS=5000 PROXY_BENCH_MESSAGES=20000 cargo bench --bench proxy
+//! ```
+//!
+//! Rows:
+//! - **latency per streamed message**: a `Ticks` stream (one 64-byte message per ms, stamped
+//!   with the engine's send time); latency = receive time − send time, per message; p50 / p99
+//!   direct and through the sidecar, and their difference (the latency kvbridge adds);
+//! - **throughput at 64 concurrent streams**: 64 `Generate` streams of small (64-byte) messages
+//!   read as fast as they come; messages/s direct and through the sidecar, and the ratio;
+//! - **sidecar CPU per forwarded message**: kvbridge's user + system CPU time over the
+//!   throughput run divided by the messages it forwarded.
+
+#[path = "../tests/common/mod.rs"]
+#[allow(unreachable_pub, missing_docs)]
+mod common;
+#[path = "../tests/common/grpc_engine.rs"]
+#[allow(unreachable_pub, missing_docs)]
+mod grpc_engine;
+
+use std::time::Instant;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use grpc_engine::{path, raw_client, unix_nanos, GrpcEngine, Raw};
+use tonic::transport::Channel;
+use tonic::Request;
+
+const VLLM: &str = "vllm.grpc.engine.VllmEngine";
+const STREAMS: usize = 64;
+
+fn env_u32(name: &str, default: u32) -> u32 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn request(a: u32, b: u32) -> Bytes {
+    let mut r = BytesMut::new();
+    r.put_u32_le(a);
+    r.put_u32_le(b);
+    r.freeze()
+}
+
+async fn channel(url: &str) -> Channel {
+    // Windows as a G2 gateway's channel (docs/smg-api.md §3.1: 512 MiB per connection), which
+    // also keeps h2's small-DATA-frame budget (half the connection window) out of the way.
+    Channel::from_shared(url.to_string())
+        .unwrap()
+        .initial_connection_window_size(512 << 20)
+        .initial_stream_window_size(256 << 10)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Per-message latencies (ns) of one paced `Ticks` stream of `count` messages.
+async fn tick_latencies(ch: &Channel, count: u32) -> Vec<u64> {
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    let mut s = c
+        .server_streaming(Request::new(request(count, 1000)), path(VLLM, "Ticks"), Raw)
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::with_capacity(count as usize);
+    while let Some(m) = s.message().await.unwrap() {
+        let now = unix_nanos();
+        let sent = u64::from_le_bytes(m[..8].try_into().unwrap());
+        out.push(now.saturating_sub(sent));
+    }
+    out
+}
+
+fn pct(sorted: &[u64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+/// Messages per second over `STREAMS` concurrent `Generate` streams of `per_stream` messages.
+async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
+    // A few connections, as a gateway multiplexes many streams over its channel.
+    let mut chans = Vec::new();
+    for _ in 0..4 {
+        chans.push(channel(url).await);
+    }
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..STREAMS {
+        let ch = chans[i % chans.len()].clone();
+        tasks.spawn(async move {
+            let mut c = raw_client(ch);
+            c.ready().await.unwrap();
+            let mut s = c
+                .server_streaming(
+                    Request::new(request(per_stream, 64)),
+                    path(VLLM, "Generate"),
+                    Raw,
+                )
+                .await
+                .unwrap()
+                .into_inner();
+            let mut n = 0u64;
+            while s.message().await.unwrap().is_some() {
+                n += 1;
+            }
+            n
+        });
+    }
+    let mut total = 0;
+    while let Some(n) = tasks.join_next().await {
+        total += n.unwrap();
+    }
+    (total as f64 / started.elapsed().as_secs_f64(), total)
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing else is taken.
+    let ticks = env_u32("PROXY_BENCH_TICKS", 3000);
+    let per_stream = env_u32("PROXY_BENCH_MESSAGES", 10_000);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let bridge = rt.block_on(async move {
+        let engine = GrpcEngine::start("127.0.0.1:0".parse().unwrap()).await;
+        let zmq = common::Engine::start(0);
+        let dir = tempfile::tempdir().unwrap();
+        let args: Vec<String> = [
+            "--zmq",
+            &zmq.endpoint,
+            "--engine-grpc",
+            &engine.addr.to_string(),
+            "--load-interval-ms",
+            "0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let bridge = common::Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+        let direct_url = format!("http://{}", engine.addr);
+        let sidecar_url = bridge.url();
+        let (direct, sidecar) = (channel(&direct_url).await, channel(&sidecar_url).await);
+        // Warm-up: connections, pools, allocator.
+        tick_latencies(&direct, 200).await;
+        tick_latencies(&sidecar, 200).await;
+
+        let mut d = tick_latencies(&direct, ticks).await;
+        let mut s = tick_latencies(&sidecar, ticks).await;
+        d.sort_unstable();
+        s.sort_unstable();
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        println!("sidecar benchmark ({cores} cores; engine and client in this process, kvbridge a child process)");
+        println!();
+        println!("| row | direct | through kvbridge | difference |");
+        println!("|---|---|---|---|");
+        for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
+            let (a, b) = (pct(&d, p), pct(&s, p));
+            println!(
+                "| latency per streamed message, {name} ({ticks} msgs, 1/ms) | {a:.1} µs | {b:.1} µs | +{:.1} µs |",
+                b - a
+            );
+        }
+
+        let (direct_rate, _) = throughput(&direct_url, per_stream).await;
+        let cpu0 = bridge.cpu_time();
+        let (sidecar_rate, forwarded) = throughput(&sidecar_url, per_stream).await;
+        let cpu = bridge.cpu_time() - cpu0;
+        println!(
+            "| throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | {direct_rate:.0} msg/s | {sidecar_rate:.0} msg/s | {:.1} % of direct |",
+            100.0 * sidecar_rate / direct_rate
+        );
+        println!(
+            "| sidecar CPU per forwarded message | — | {:.2} µs | ({:.2} s CPU for {forwarded} messages) |",
+            cpu.as_secs_f64() * 1e6 / forwarded as f64,
+            cpu.as_secs_f64()
+        );
+        drop(engine);
+        drop(zmq);
+        bridge
+    });
+    drop(rt);
+    bridge.stop();
+}

@@ -1,0 +1,301 @@
+//! Sidecar mode (`--engine-grpc`): kvbridge listens on the worker URL a stock SMG gateway
+//! registers, answers `SubscribeKvEvents` itself and forwards every other call to the engine's
+//! gRPC server (docs/smg-api.md §2 "Proxy mode").
+//!
+//! ```text
+//!   gateway ──HTTP/2──► kvbridge :50061 ──┬─ SubscribeKvEvents (4 paths), grpc.health.v1 ─► ring
+//!                                         └─ everything else, opaquely ──► engine :50051
+//! ```
+//!
+//! One job per file: this one decides which requests are kvbridge's and serves the listener;
+//! `upstream.rs` keeps the connections to the engine; `forward.rs` relays one call; `load.rs` polls
+//! the engine's `GetLoads` and turns it into `load_only` records (§3.5).
+//!
+//! **Why our own HTTP/2 server loop here.** tonic's server wraps every service in its
+//! `grpc-timeout` handling, which answers `CANCELLED` on its own when a deadline passes before
+//! response headers. A forwarded call's deadline belongs to the engine (it answers
+//! `DEADLINE_EXCEEDED` itself, with its own message), so in sidecar mode connections are served
+//! by hyper directly, with the same HTTP/2 settings, and kvbridge's own services are tonic's
+//! [`Routes`] called from there.
+
+mod forward;
+mod load;
+mod upstream;
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tonic::body::Body;
+use tonic::service::Routes;
+use tonic::Code;
+use tower::ServiceExt;
+
+use crate::config::ProxyConfig;
+use crate::metrics::Metrics;
+
+pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
+
+/// HTTP/2 receive window per client connection.
+const CLIENT_CONNECTION_WINDOW: u32 = 64 << 20;
+/// How often the engine is probed for health (`grpc.health.v1` in sidecar mode).
+const PROBE_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a probe waits for the engine's answer.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Whether kvbridge answers `path` itself in sidecar mode: `SubscribeKvEvents` on the four engine
+/// services, and `grpc.health.v1.Health` (whose SERVING then also covers the engine). Everything
+/// else, reflection and the engines' own `HealthCheck`s included, is the engine's.
+pub fn is_ours(path: &str) -> bool {
+    crate::proto::ENGINE_SERVICES.iter().any(|s| s.path == path)
+        || path.starts_with("/grpc.health.v1.Health/")
+}
+
+/// The sidecar's engine side: the connection pool, the health probe and the load poller.
+pub struct Sidecar {
+    upstream: upstream::Upstream,
+    metrics: Arc<Metrics>,
+    answering: Arc<AtomicBool>,
+    load: Option<LoadFeed>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Sidecar {
+    /// Starts the probe (and the `GetLoads` poller unless its interval is 0) against the
+    /// engine in `cfg`. Nothing is connected yet; an engine that is down is no start-up error.
+    /// Fails only on an unusable `--engine-tls-ca`.
+    pub fn start(cfg: &ProxyConfig, metrics: Arc<Metrics>) -> Result<Arc<Self>, String> {
+        let upstream =
+            upstream::Upstream::new(&cfg.engine, cfg.tls_ca.as_deref(), metrics.clone())?;
+        let (load_tx, load_rx) = tokio::sync::watch::channel(None);
+        let sidecar = Arc::new_cyclic(|weak: &std::sync::Weak<Sidecar>| {
+            let mut tasks = vec![tokio::spawn(probe(weak.clone()))];
+            if let Some(every) = cfg.load_interval {
+                tasks.push(tokio::spawn(load::poll(weak.clone(), every, load_tx)));
+            }
+            Sidecar {
+                upstream,
+                metrics,
+                answering: Arc::new(AtomicBool::new(false)),
+                load: cfg.load_interval.map(|_| load_rx),
+                tasks,
+            }
+        });
+        tracing::info!(engine = %sidecar.upstream.address(), load_interval = ?cfg.load_interval,
+            "sidecar mode: forwarding every call but SubscribeKvEvents to the engine");
+        Ok(sidecar)
+    }
+
+    /// True while the engine's gRPC server answers (the last probe got an HTTP/2 response).
+    pub fn engine_answers(&self) -> Arc<AtomicBool> {
+        self.answering.clone()
+    }
+
+    /// The engine's load samples, when polling is on.
+    pub fn load_feed(&self) -> Option<LoadFeed> {
+        self.load.clone()
+    }
+
+    /// The engine's address, as given.
+    pub fn engine(&self) -> &str {
+        self.upstream.address()
+    }
+
+    /// One request: kvbridge's own, or forwarded.
+    async fn handle(self: Arc<Self>, routes: Routes, req: Request<Incoming>) -> Response<Body> {
+        if is_ours(req.uri().path()) {
+            match routes.oneshot(req.map(Body::new)).await {
+                Ok(r) => r,
+                Err(e) => match e {},
+            }
+        } else {
+            forward::forward(&self.upstream, &self.metrics, req).await
+        }
+    }
+
+    /// Serves the gRPC listener in sidecar mode until `shutdown`: connections from `incoming`
+    /// (already accepted, tuned and wrapped), HTTP/2 only, with tonic's keepalive settings and
+    /// `max_streams` streams per connection; kvbridge's `routes` for [`is_ours`] paths, the
+    /// engine for the rest. On shutdown, open connections get a GOAWAY and up to the caller's
+    /// patience to finish.
+    pub async fn serve<I, IO>(
+        self: Arc<Self>,
+        routes: Routes,
+        incoming: I,
+        max_streams: u32,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) where
+        I: futures_util::Stream<Item = IO> + Send,
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        use futures_util::StreamExt;
+        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        builder
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10))
+            // Fixed windows (see `upstream`): per stream as hyper's default, per connection
+            // large enough that h2's small-DATA-frame budget (half of it) fits many concurrent
+            // client-streaming calls of small messages.
+            .initial_stream_window_size(1 << 20)
+            .initial_connection_window_size(CLIENT_CONNECTION_WINDOW)
+            .max_concurrent_streams(max_streams)
+            .max_header_list_size(1 << 20);
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        let mut incoming = std::pin::pin!(incoming);
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let io = tokio::select! {
+                _ = &mut shutdown => break,
+                io = incoming.next() => match io {
+                    Some(io) => io,
+                    None => break,
+                },
+            };
+            let this = self.clone();
+            let routes = routes.clone();
+            let svc = hyper::service::service_fn(move |req| {
+                let (this, routes) = (this.clone(), routes.clone());
+                async move { Ok::<_, Infallible>(this.handle(routes, req).await) }
+            });
+            let conn = builder.serve_connection(TokioIo::new(io), svc);
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "gRPC connection ended");
+                }
+            });
+        }
+        graceful.shutdown().await;
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Probes the engine every [`PROBE_INTERVAL`]: a `grpc.health.v1.Health/Check` for the whole
+/// server. Any gRPC answer counts, `UNIMPLEMENTED` included (vLLM's and SGLang's servers need
+/// not implement it): what health needs to know is that the engine's gRPC server answers.
+async fn probe(sidecar: std::sync::Weak<Sidecar>) {
+    let mut tick = tokio::time::interval(PROBE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = None;
+    loop {
+        tick.tick().await;
+        let Some(s) = sidecar.upgrade() else { return };
+        let answer = s
+            .upstream
+            .unary("/grpc.health.v1.Health/Check", &[], PROBE_TIMEOUT)
+            .await;
+        // Any status but these is the engine's own answer.
+        let up = match &answer {
+            Ok(_) => true,
+            Err(st) => !matches!(st.code(), Code::Unavailable | Code::DeadlineExceeded),
+        };
+        s.answering.store(up, Ordering::Release);
+        s.metrics.proxy.engine_up.set(up as i64);
+        if last != Some(up) {
+            match &answer {
+                Err(e) if !up => {
+                    tracing::warn!(engine = %s.upstream.address(), error = %e.message(),
+                    "engine gRPC server not answering: forwarded calls fail UNAVAILABLE, health NOT_SERVING")
+                }
+                _ => tracing::info!(engine = %s.upstream.address(), "engine gRPC server answers"),
+            }
+            last = Some(up);
+        }
+    }
+}
+
+/// gRPC status code as a metric label (all seventeen).
+pub(crate) fn code_name(c: Code) -> &'static str {
+    match c {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}
+
+/// Most distinct `method` label values kept; later new paths count as `other`, so a client
+/// sending random paths cannot grow the metrics without bound.
+const MAX_METHOD_LABELS: usize = 256;
+
+/// The `method` label of a forwarded call: its path (`/package.Service/Method`), or `other`.
+pub(crate) fn method_label(path: &str) -> String {
+    static SEEN: std::sync::OnceLock<parking_lot::Mutex<HashSet<String>>> =
+        std::sync::OnceLock::new();
+    let well_formed = path.len() <= 200
+        && path.starts_with('/')
+        && path[1..].split_once('/').is_some_and(|(svc, m)| {
+            !svc.is_empty()
+                && !m.is_empty()
+                && svc
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_')
+                && m.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        });
+    if !well_formed {
+        return "other".into();
+    }
+    let mut seen = SEEN.get_or_init(Default::default).lock();
+    if seen.contains(path) || seen.len() < MAX_METHOD_LABELS {
+        seen.insert(path.to_string());
+        path.to_string()
+    } else {
+        "other".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_subscribe_and_health_are_ours() {
+        for s in crate::proto::ENGINE_SERVICES {
+            assert!(is_ours(s.path));
+            assert!(!is_ours(&format!("/{}/Generate", s.service)));
+            assert!(!is_ours(&format!("/{}/HealthCheck", s.service)));
+        }
+        assert!(is_ours("/grpc.health.v1.Health/Check"));
+        assert!(is_ours("/grpc.health.v1.Health/Watch"));
+        assert!(!is_ours(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+        ));
+        assert!(!is_ours("/mlx.grpc.engine.MlxEngine/SubscribeKvEvents"));
+    }
+
+    #[test]
+    fn method_labels_are_bounded() {
+        assert_eq!(
+            method_label("/vllm.grpc.engine.VllmEngine/Generate"),
+            "/vllm.grpc.engine.VllmEngine/Generate"
+        );
+        assert_eq!(method_label("/no-method"), "other");
+        assert_eq!(method_label("/a b/c"), "other");
+    }
+}

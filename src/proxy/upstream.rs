@@ -1,0 +1,271 @@
+//! The connections to the engine's gRPC server: a small pool of multiplexed HTTP/2 connections,
+//! opened on demand and replaced when they close.
+//!
+//! **Fail fast.** A call that finds no live connection opens one, with a short connect deadline
+//! ([`CONNECT_TIMEOUT`]); when that fails the call is answered `UNAVAILABLE` naming the engine's
+//! address, at once, rather than queued behind a dead engine (docs/smg-api.md §2: the gateway
+//! retries, and a hang would hold its request). The next call tries again, so an engine that
+//! comes back is used without restarting kvbridge.
+//!
+//! **Why a pool.** One HTTP/2 connection is one TCP stream with one flow-control window and one
+//! task on each side; a few of them spread a busy worker's `Generate` streams over several
+//! engine-side connections and cores. Calls take the slots in turn.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio_rustls::rustls;
+use tonic::body::Body;
+use tonic::Status;
+
+use crate::config::EngineGrpc;
+use crate::metrics::Metrics;
+
+/// Connections kept to the engine.
+pub(crate) const POOL_SIZE: usize = 4;
+/// HTTP/2 receive window per forwarded stream (the response side).
+pub(crate) const STREAM_WINDOW: u32 = 1 << 20;
+/// HTTP/2 receive window per engine connection: the protocol's maximum.
+pub(crate) const CONNECTION_WINDOW: u32 = (1 << 31) - 1;
+/// Time to open a TCP connection (and TLS) to the engine before the call fails `UNAVAILABLE`.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The engine end of the sidecar.
+pub(crate) struct Upstream {
+    engine: EngineGrpc,
+    /// `http://host:port` / `https://host:port`, the scheme and authority of forwarded requests.
+    pub(crate) base: String,
+    tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
+    slots: Vec<tokio::sync::Mutex<Option<SendRequest<Body>>>>,
+    next: AtomicUsize,
+    metrics: Arc<Metrics>,
+}
+
+impl Upstream {
+    /// The pool for `engine` (nothing is connected yet). Fails only on an unusable CA file.
+    pub(crate) fn new(
+        engine: &EngineGrpc,
+        tls_ca: Option<&[u8]>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, String> {
+        let tls = match tls_ca {
+            Some(pem) => Some(tls_connector(pem, &engine.host)?),
+            None => None,
+        };
+        Ok(Upstream {
+            base: engine.to_string(),
+            engine: engine.clone(),
+            tls,
+            slots: (0..POOL_SIZE)
+                .map(|_| tokio::sync::Mutex::new(None))
+                .collect(),
+            next: AtomicUsize::new(0),
+            metrics,
+        })
+    }
+
+    /// The engine's address as the operator gave it, for messages.
+    pub(crate) fn address(&self) -> &str {
+        &self.base
+    }
+
+    /// A sender on a live connection: the next slot's, or a new connection in that slot.
+    /// `UNAVAILABLE` naming the engine when it cannot be reached.
+    pub(crate) async fn sender(&self) -> Result<SendRequest<Body>, Status> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let mut slot = self.slots[i].lock().await;
+        if let Some(s) = slot.as_ref() {
+            if !s.is_closed() {
+                return Ok(s.clone());
+            }
+        }
+        *slot = None;
+        match self.connect().await {
+            Ok(s) => {
+                self.metrics.proxy.connects.with_label_values(&["ok"]).inc();
+                *slot = Some(s.clone());
+                Ok(s)
+            }
+            Err(e) => {
+                self.metrics
+                    .proxy
+                    .connects
+                    .with_label_values(&["failed"])
+                    .inc();
+                Err(Status::unavailable(format!(
+                    "kvbridge sidecar: engine gRPC server {} unreachable: {e}",
+                    self.base
+                )))
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<Body>, String> {
+        let addr = (self.engine.host.as_str(), self.engine.port);
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("no TCP connection within {CONNECT_TIMEOUT:?}"))?
+            .map_err(|e| e.to_string())?;
+        let _ = tcp.set_nodelay(true);
+        match &self.tls {
+            None => self.handshake(tcp).await,
+            Some((connector, name)) => {
+                let tls =
+                    tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name.clone(), tcp))
+                        .await
+                        .map_err(|_| format!("no TLS handshake within {CONNECT_TIMEOUT:?}"))?
+                        .map_err(|e| format!("TLS: {e}"))?;
+                self.handshake(tls).await
+            }
+        }
+    }
+
+    async fn handshake<T>(&self, io: T) -> Result<SendRequest<Body>, String>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        // Keepalive as the gateway's own channel (docs/smg-api.md §3.1), idle connections
+        // included. Windows: fixed, a stream's bounded by STREAM_WINDOW, and the connection's as
+        // large as HTTP/2 allows. The latter is what keeps h2's small-DATA-frame guard (≥ 0.4.16:
+        // a connection-wide budget of half the connection window) from closing the connection
+        // with ENHANCE_YOUR_CALM when a `Generate` stream of small messages is buffered while the
+        // client reads slowly; the engine is the one peer kvbridge trusts not to flood it.
+        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
+            .max_header_list_size(1 << 20)
+            .handshake(TokioIo::new(io))
+            .await
+            .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+        let gauge = self.metrics.proxy.connections.clone();
+        gauge.inc();
+        let base = self.base.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(engine = %base, error = %e, "engine connection ended");
+            }
+            gauge.dec();
+        });
+        Ok(sender)
+    }
+}
+
+/// rustls client for the engine: the CA from `--engine-tls-ca`, ALPN `h2`, the host of
+/// `--engine-grpc` as the name checked against the certificate.
+fn tls_connector(
+    pem: &[u8],
+    host: &str,
+) -> Result<
+    (
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    ),
+    String,
+> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem) {
+        let cert = cert.map_err(|e| format!("--engine-tls-ca: {e}"))?;
+        roots
+            .add(cert)
+            .map_err(|e| format!("--engine-tls-ca: {e}"))?;
+    }
+    if roots.is_empty() {
+        return Err("--engine-tls-ca: no CERTIFICATE block".into());
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let name = ServerName::try_from(host.to_string())
+        .map_err(|e| format!("--engine-grpc host {host:?}: {e}"))?;
+    Ok((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
+}
+
+impl Upstream {
+    /// One unary call of kvbridge's own (GetLoads, the health probe): `msg` is the encoded
+    /// request; the answer is the encoded response message, or the engine's status (or
+    /// `UNAVAILABLE` / `DEADLINE_EXCEEDED` when it does not answer within `timeout`).
+    pub(crate) async fn unary(
+        &self,
+        path: &str,
+        msg: &[u8],
+        timeout: Duration,
+    ) -> Result<bytes::Bytes, Status> {
+        use http_body_util::BodyExt;
+        let call = async {
+            let mut sender = self.sender().await?;
+            let mut framed = Vec::with_capacity(5 + msg.len());
+            framed.push(0);
+            framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+            framed.extend_from_slice(msg);
+            let req = http::Request::post(format!("{}{path}", self.base))
+                .header(http::header::CONTENT_TYPE, "application/grpc")
+                .header(http::header::TE, "trailers")
+                .header("grpc-timeout", format!("{}m", timeout.as_millis().max(1)))
+                .body(Body::new(http_body_util::Full::new(bytes::Bytes::from(
+                    framed,
+                ))))
+                .map_err(|e| Status::internal(e.to_string()))?;
+            sender
+                .ready()
+                .await
+                .map_err(|e| Status::unavailable(format!("{}: {e}", self.base)))?;
+            let resp = sender
+                .send_request(req)
+                .await
+                .map_err(|e| Status::unavailable(format!("{}: {e}", self.base)))?;
+            let (parts, body) = resp.into_parts();
+            if let Some(s) = Status::from_header_map(&parts.headers) {
+                return if s.code() == tonic::Code::Ok {
+                    Ok(bytes::Bytes::new())
+                } else {
+                    Err(s)
+                };
+            }
+            let collected = body
+                .collect()
+                .await
+                .map_err(|e| Status::unavailable(format!("{}: {e}", self.base)))?;
+            let trailers = collected.trailers().cloned().unwrap_or_default();
+            let data = collected.to_bytes();
+            match Status::from_header_map(&trailers) {
+                Some(s) if s.code() != tonic::Code::Ok => return Err(s),
+                None => return Err(Status::internal("engine answered without grpc-status")),
+                _ => {}
+            }
+            if data.len() < 5 {
+                return Ok(bytes::Bytes::new());
+            }
+            if data[0] != 0 {
+                return Err(Status::internal("engine answered compressed"));
+            }
+            let len = u32::from_be_bytes([data[1], data[2], data[3], data[4]]) as usize;
+            if data.len() < 5 + len {
+                return Err(Status::internal("engine answer truncated"));
+            }
+            Ok(data.slice(5..5 + len))
+        };
+        match tokio::time::timeout(timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "engine gRPC server {} did not answer {path} within {timeout:?}",
+                self.base
+            ))),
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! Sidecar mode (`--engine-grpc`, issue 9): the real `kvbridge` binary in front of a test
+//! engine gRPC server (`common/grpc_engine.rs`), checked for forwarding fidelity (docs/smg-api.md
+//! §2 "Proxy mode"), failure handling, health and load records (§3.5).
+
+mod common;
+#[path = "common/grpc_engine.rs"]
+mod grpc_engine;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use common::{layout, metric, scrape, store, Bridge, Engine};
+use grpc_engine::{generate_message, path, raw_client, GrpcEngine, Raw, FAIL_DETAILS};
+use kvbridge::proto::common::SubscribeKvEventsRequest;
+use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+
+/// Generous bound for anything awaited (never a timing assertion).
+const T: Duration = Duration::from_secs(30);
+const VLLM: &str = "vllm.grpc.engine.VllmEngine";
+
+struct Sidecar {
+    _dir: tempfile::TempDir,
+    zmq: Engine,
+    engine: GrpcEngine,
+    bridge: Bridge,
+    metrics: SocketAddr,
+}
+
+/// A test engine, a simulated ZMQ publisher and `kvbridge serve --engine-grpc` in front of them.
+async fn sidecar(extra: &[&str]) -> Sidecar {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = GrpcEngine::start("127.0.0.1:0".parse().unwrap()).await;
+    let zmq = Engine::start(0);
+    let mut args: Vec<String> = vec![
+        "--zmq".into(),
+        zmq.endpoint.clone(),
+        "--replay".into(),
+        zmq.replay.clone(),
+        "--seq-base".into(),
+        "1".into(),
+        "--engine-grpc".into(),
+        engine.addr.to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let (bridge, metrics) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    // The publisher connected, so no test batch is published into the void.
+    common::wait_metrics(metrics, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) >= 1.0
+    });
+    Sidecar {
+        _dir: dir,
+        zmq,
+        engine,
+        bridge,
+        metrics,
+    }
+}
+
+async fn channel(url: &str) -> Channel {
+    // Windows as a G2 gateway's channel (docs/smg-api.md §3.1: 512 MiB per connection), which
+    // also keeps h2's small-DATA-frame budget (half the connection window) out of the way.
+    Channel::from_shared(url.to_string())
+        .unwrap()
+        .initial_connection_window_size(512 << 20)
+        .initial_stream_window_size(256 << 10)
+        .connect()
+        .await
+        .expect("connect to kvbridge")
+}
+
+fn generate_request(count: u32, size: u32) -> Bytes {
+    let mut b = BytesMut::new();
+    b.put_u32_le(count);
+    b.put_u32_le(size);
+    b.freeze()
+}
+
+async fn unary(
+    ch: &Channel,
+    service: &str,
+    method: &str,
+    req: Request<Bytes>,
+) -> Result<tonic::Response<Bytes>, tonic::Status> {
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    c.unary(req, path(service, method), Raw).await
+}
+
+/// Reads a whole `Generate` stream of `count` × `size` and checks every message's bytes.
+async fn generate_and_check(ch: &Channel, count: u32, size: u32) {
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    let mut s = c
+        .server_streaming(
+            Request::new(generate_request(count, size)),
+            path(VLLM, "Generate"),
+            Raw,
+        )
+        .await
+        .expect("Generate answered")
+        .into_inner();
+    let mut i = 0u32;
+    while let Some(m) = s.message().await.expect("stream ok") {
+        assert!(
+            m == generate_message(i, size),
+            "message {i} differs ({} bytes)",
+            m.len()
+        );
+        i += 1;
+    }
+    assert_eq!(i, count, "messages received");
+}
+
+async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + T;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unary_with_metadata_and_the_engines_own_health_checks() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut req = Request::new(Bytes::from_static(b"hello engine"));
+    req.metadata_mut()
+        .insert("x-request-id", "abc-123".parse().unwrap());
+    req.metadata_mut().insert_bin(
+        "x-trace-bin",
+        tonic::metadata::MetadataValue::from_bytes(&[0, 255, 7]),
+    );
+    req.set_timeout(Duration::from_secs(20));
+    let resp = unary(&ch, "any.pkg.Service", "Echo", req)
+        .await
+        .expect("Echo");
+    assert_eq!(resp.get_ref(), &Bytes::from_static(b"hello engine"));
+    let md = resp.metadata();
+    assert_eq!(md.get("echo-x-request-id").unwrap(), "abc-123");
+    assert_eq!(
+        md.get_bin("echo-x-trace-bin").unwrap().to_bytes().unwrap(),
+        Bytes::from_static(&[0, 255, 7])
+    );
+    assert!(
+        md.get("echo-grpc-timeout").is_some(),
+        "grpc-timeout reached the engine"
+    );
+
+    // Runtime detection lands on the real service: the engine answers its own HealthCheck and
+    // refuses the others itself.
+    let ok = unary(&ch, VLLM, "HealthCheck", Request::new(Bytes::new()))
+        .await
+        .expect("vLLM HealthCheck");
+    assert_eq!(&ok.get_ref()[..2], &[0x08, 0x01], "healthy = true");
+    for svc in [
+        "sglang.grpc.scheduler.SglangScheduler",
+        "trtllm.TrtllmService",
+        "tokenspeed.grpc.scheduler.TokenSpeedScheduler",
+    ] {
+        let st = unary(&ch, svc, "HealthCheck", Request::new(Bytes::new()))
+            .await
+            .unwrap_err();
+        assert_eq!(st.code(), Code::Unimplemented, "{svc}");
+        assert!(
+            st.message().starts_with("test engine: no method"),
+            "the engine's own answer: {st:?}"
+        );
+    }
+
+    let page = scrape(s.metrics);
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_proxy_calls_total",
+            &[("method", "/any.pkg.Service/Echo"), ("code", "ok")]
+        ),
+        1.0
+    );
+    assert!(metric(&page, "kvbridge_proxy_upstream_connections", &[]) >= 1.0);
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_stream_of_10000_messages_is_byte_identical() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    generate_and_check(&ch, 10_000, 100).await;
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_mib_messages_both_ways() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let big: Bytes = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let resp = unary(&ch, VLLM, "Echo", Request::new(big.clone()))
+        .await
+        .expect("8 MiB echo");
+    assert!(resp.get_ref() == &big, "8 MiB came back identical");
+    generate_and_check(&ch, 3, 8 << 20).await;
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_with_details_are_unchanged() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    let mut stream = c
+        .server_streaming(Request::new(Bytes::new()), path(VLLM, "Fail"), Raw)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap().unwrap(),
+        Bytes::from_static(b"partial")
+    );
+    let st = stream.message().await.unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition);
+    assert_eq!(st.message(), "test engine: precondition failed");
+    assert_eq!(st.details(), FAIL_DETAILS);
+    assert_eq!(st.metadata().get("x-engine-trailer").unwrap(), "kept");
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_is_the_engines() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut req = Request::new(Bytes::new());
+    req.set_timeout(Duration::from_millis(200));
+    let st = unary(&ch, VLLM, "Slow", req).await.unwrap_err();
+    assert_eq!(st.code(), Code::DeadlineExceeded, "{st:?}");
+    assert_eq!(
+        st.message(),
+        "test engine: deadline exceeded",
+        "answered by the engine"
+    );
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_cancel_reaches_the_engine() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    let mut stream = c
+        .server_streaming(Request::new(Bytes::new()), path(VLLM, "Hang"), Raw)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap().unwrap(),
+        Bytes::from_static(b"first")
+    );
+    assert_eq!(s.engine.stats.cancelled.load(Ordering::SeqCst), 0);
+    drop(stream);
+    let stats = s.engine.stats.clone();
+    wait_until("the engine to see the cancel", || {
+        stats.cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_and_bidi_streaming() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    let msgs: Vec<Bytes> = (0..100u32).map(|i| generate_message(i, 1000 + i)).collect();
+    let total: u64 = msgs.iter().map(|m| m.len() as u64).sum();
+    let resp = c
+        .client_streaming(
+            Request::new(futures_util::stream::iter(msgs.clone())),
+            path(VLLM, "Sum"),
+            Raw,
+        )
+        .await
+        .expect("Sum")
+        .into_inner();
+    assert_eq!(&resp[..8], &100u64.to_le_bytes());
+    assert_eq!(&resp[8..], &total.to_le_bytes());
+
+    // Bidi: each reply arrives before the next request is sent.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+    c.ready().await.unwrap();
+    let mut replies = c
+        .streaming(
+            Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            path(VLLM, "Chat"),
+            Raw,
+        )
+        .await
+        .expect("Chat")
+        .into_inner();
+    for m in msgs.iter().take(20) {
+        tx.send(m.clone()).await.unwrap();
+        assert_eq!(&replies.message().await.unwrap().unwrap(), m);
+    }
+    drop(tx);
+    assert!(replies.message().await.unwrap().is_none(), "ended OK");
+    s.bridge.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousand_concurrent_forwarded_streams() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..1000 {
+        let ch = ch.clone();
+        tasks.spawn(async move { generate_and_check(&ch, 20, 200).await });
+    }
+    let mut done = 0;
+    while let Some(r) = tasks.join_next().await {
+        r.expect("stream task");
+        done += 1;
+    }
+    assert_eq!(done, 1000);
+    assert_eq!(s.engine.stats.generates.load(Ordering::Relaxed), 1000);
+    s.bridge.stop();
+}
+
+async fn health(ch: &Channel) -> i32 {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    HealthClient::new(ch.clone())
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .expect("kvbridge answers health itself")
+        .into_inner()
+        .status
+}
+
+async fn wait_health(ch: &Channel, want: tonic_health::ServingStatus) {
+    let deadline = Instant::now() + T;
+    loop {
+        let st = health(ch).await;
+        if st == want as i32 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "health stuck at {st}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Engine down: forwarded calls fail fast with UNAVAILABLE naming the engine, health turns
+/// NOT_SERVING, SubscribeKvEvents keeps streaming; engine back on the same address: the next
+/// call succeeds and health is SERVING again, without restarting kvbridge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_down_fails_fast_and_recovers_while_events_keep_flowing() {
+    use tonic_health::ServingStatus::{NotServing, Serving};
+    let s = sidecar(&["--load-interval-ms", "0"]).await;
+    let ch = channel(&s.bridge.url()).await;
+    wait_health(&ch, Serving).await;
+    unary(&ch, VLLM, "Echo", Request::new(Bytes::from_static(b"up")))
+        .await
+        .expect("engine up");
+
+    let Sidecar {
+        _dir,
+        zmq,
+        engine,
+        bridge,
+        metrics,
+    } = s;
+    let (addr, stats) = engine.stop();
+    let started = Instant::now();
+    let st = loop {
+        // The first call may still find the dying connection; it must fail, never hang.
+        let st = unary(&ch, VLLM, "Echo", Request::new(Bytes::from_static(b"down")))
+            .await
+            .unwrap_err();
+        if st.message().contains("unreachable") {
+            break st;
+        }
+        assert!(started.elapsed() < T, "never reported unreachable: {st:?}");
+    };
+    assert_eq!(st.code(), Code::Unavailable);
+    assert!(
+        st.message().contains(&addr.to_string()),
+        "names the engine: {st:?}"
+    );
+    let t = Instant::now();
+    let st = unary(&ch, VLLM, "Echo", Request::new(Bytes::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::Unavailable);
+    // "Fails fast, not a hang": a generous bound, far below any client deadline.
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    wait_health(&ch, NotServing).await;
+
+    // The event stream does not depend on the engine's gRPC server.
+    let mut sub = VllmEngineClient::new(ch.clone())
+        .subscribe_kv_events(SubscribeKvEventsRequest {
+            start_sequence_number: 0,
+            load_records_before_first_batch: true,
+        })
+        .await
+        .expect("subscribe while the engine is down")
+        .into_inner();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    zmq.publish(layout(0), vec![store(1, 2, None)], 0);
+    let b = tokio::time::timeout(T, sub.message())
+        .await
+        .expect("a batch in time")
+        .expect("stream ok")
+        .expect("a batch");
+    assert!(!b.events.is_empty());
+
+    let engine = GrpcEngine::start_with(addr, stats).await;
+    unary(&ch, VLLM, "Echo", Request::new(Bytes::from_static(b"back")))
+        .await
+        .expect("the next call after the restart succeeds");
+    wait_health(&ch, Serving).await;
+    let page = scrape(metrics);
+    assert!(
+        metric(
+            &page,
+            "kvbridge_proxy_calls_total",
+            &[
+                ("method", "/vllm.grpc.engine.VllmEngine/Echo"),
+                ("code", "unavailable")
+            ]
+        ) >= 2.0
+    );
+    drop(engine);
+    bridge.stop();
+}
+
+/// Load records go only to subscribers that set request field 2, numbered 0 before the first
+/// batch and with the last batch's number after it, and follow the engine's GetLoads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_records_follow_get_loads_for_field_2_subscribers_only() {
+    let s = sidecar(&["--load-interval-ms", "100"]).await;
+    s.engine.stats.running.store(7, Ordering::Relaxed);
+    let ch = channel(&s.bridge.url()).await;
+    let open = |field2: bool| {
+        let ch = ch.clone();
+        async move {
+            VllmEngineClient::new(ch)
+                .subscribe_kv_events(SubscribeKvEventsRequest {
+                    start_sequence_number: 0,
+                    load_records_before_first_batch: field2,
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    let mut with = open(true).await;
+    let mut without = open(false).await;
+    // Before the first batch: load records numbered 0, soon with the engine's 7.
+    let load = loop {
+        let first = tokio::time::timeout(T, with.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let load = first.load.expect("a load record");
+        assert!(load.load_only && first.events.is_empty());
+        assert_eq!(first.sequence_number, 0, "before the first batch");
+        if load.running_requests == 7 {
+            break load;
+        }
+    };
+    assert_eq!(load.waiting_requests, 2);
+    assert_eq!(load.max_running_requests, 128);
+    assert_eq!(load.waiting_uncached_tokens, None, "vLLM has no such field");
+
+    s.engine.stats.running.store(9, Ordering::Relaxed);
+    s.zmq.publish(layout(0), vec![store(5, 1, None)], 0);
+    let (mut batch_seq, mut saw_nine_after) = (None, false);
+    let deadline = Instant::now() + T;
+    while !saw_nine_after {
+        assert!(Instant::now() < deadline, "no load record after the batch");
+        let b = tokio::time::timeout(T, with.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        match (&b.load, batch_seq) {
+            (None, _) => batch_seq = Some(b.sequence_number),
+            (Some(l), Some(seq)) if l.running_requests == 9 => {
+                assert_eq!(b.sequence_number, seq, "repeats the last number");
+                saw_nine_after = true;
+            }
+            (Some(_), _) => {}
+        }
+    }
+    // The plain subscriber gets the batch and never a load record.
+    let b = tokio::time::timeout(T, without.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(b.load.is_none() && !b.events.is_empty());
+    assert_eq!(Some(b.sequence_number), batch_seq);
+    s.zmq.publish(layout(0), vec![store(6, 1, None)], 0);
+    let b = tokio::time::timeout(T, without.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(b.load.is_none(), "no load records without field 2");
+    s.bridge.stop();
+}
