@@ -276,6 +276,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub ops: OpsArgs,
+    /// Snapshots for late joiners.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub snapshot: SnapshotArgs,
     /// Keys of a TOML file that name no setting (`deny_unknown_fields` does not work with
     /// `flatten`); never set from flags, rejected by [`ServeArgs::resolve`].
     #[arg(skip)]
@@ -296,6 +300,7 @@ impl ServeArgs {
             streaming,
             security,
             ops,
+            snapshot,
             ..
         } = self.clone();
         let engine = engine.merge(file.engine).validate()?;
@@ -303,7 +308,9 @@ impl ServeArgs {
         let ring = ring.merge(file.ring).validate()?;
         let security = security.merge(file.security).validate()?;
         let ops = ops.merge(file.ops).validate(streaming.grpc)?;
+        let snapshot = snapshot.merge(file.snapshot).validate()?;
         Ok(ServeConfig {
+            snapshot,
             ranks: engine.ranks,
             topic: engine.topic,
             grpc: streaming.grpc,
@@ -569,6 +576,38 @@ impl RingArgs {
 }
 
 concern! {
+    /// Snapshots for late joiners (docs/smg-api.md §6.5).
+    #[command(next_help_heading = "Snapshots")]
+    pub struct SnapshotArgs {
+        /// When a subscriber starting from 0 gets the live block table as snapshot chunks
+        /// [default: auto].
+        #[arg(long, value_enum)]
+        pub snapshot: Option<crate::snapshot::SnapshotMode>,
+        /// Most blocks the table holds per ring; beyond, snapshots are marked incomplete
+        /// [default: 4000000].
+        #[arg(long, value_name = "N")]
+        pub snapshot_max_blocks: Option<usize>,
+    }
+}
+
+impl SnapshotArgs {
+    fn validate(self) -> Result<crate::snapshot::SnapshotConfig, ConfigError> {
+        let max_blocks = self
+            .snapshot_max_blocks
+            .unwrap_or(crate::snapshot::DEFAULT_MAX_BLOCKS);
+        if max_blocks == 0 {
+            return Err(invalid(
+                "--snapshot-max-blocks: must be at least 1 (use --snapshot off for no table)",
+            ));
+        }
+        Ok(crate::snapshot::SnapshotConfig {
+            mode: self.snapshot.unwrap_or_default(),
+            max_blocks,
+        })
+    }
+}
+
+concern! {
     /// gRPC streaming: the listener, what is streamed, and how many may subscribe.
     #[command(next_help_heading = "Streaming")]
     pub struct StreamingArgs {
@@ -787,6 +826,8 @@ pub struct ServeConfig {
     pub max_streams_per_connection: u32,
     /// Time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
     pub handshake_timeout: Duration,
+    /// Snapshots for late joiners.
+    pub snapshot: crate::snapshot::SnapshotConfig,
 }
 
 impl ServeConfig {
@@ -1312,6 +1353,13 @@ mod tests {
                 "send-dp-rank = false",
             ),
             row("--profile all", r#"profile = "all""#, r#"profile = "smg""#),
+            // Snapshots.
+            row("--snapshot off", r#"snapshot = "off""#, r#"snapshot = "on""#),
+            row(
+                "--snapshot-max-blocks 1000",
+                "snapshot-max-blocks = 1000",
+                "snapshot-max-blocks = 2000",
+            ),
             row(
                 "--max-subscribers 7",
                 "max-subscribers = 7",

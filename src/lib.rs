@@ -32,3 +32,4 @@ pub mod net;
 pub mod proto;
 pub mod ring;
 pub mod sim;
+pub mod snapshot;

@@ -96,6 +96,7 @@ pub struct ServiceHandle {
     health_task: tokio::task::JoinHandle<()>,
     health: tonic_health::server::HealthReporter,
     hubs: Vec<Arc<RingHub>>,
+    checkpointer: Option<std::thread::JoinHandle<()>>,
 }
 
 impl ServiceHandle {
@@ -135,6 +136,9 @@ impl ServiceHandle {
         }
         self.heartbeat_stop.store(true, Ordering::SeqCst);
         let _ = self.heartbeat.join();
+        if let Some(c) = self.checkpointer {
+            let _ = c.join(); // writes the last checkpoint
+        }
         drop(self.fanout);
         drop(self.hubs);
         drop(self.merged);
@@ -213,6 +217,7 @@ async fn start_on_rings(
     }
     tracing::info!(path = %shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
+    let mut rank_adopted = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
             let path = rank_ring_path(shm, r.rank);
@@ -221,6 +226,7 @@ async fn start_on_rings(
             if !rec.adopted {
                 created.push(path);
             }
+            rank_adopted.push(rec.adopted);
             rank_hubs.push(hub);
         }
     }
@@ -230,6 +236,8 @@ async fn start_on_rings(
              will see gaps and spurious restarts on this stream"
         );
     }
+    // Snapshot tables: attached before ingest starts, so they see every record (issue 10).
+    let snapshot_tables = attach_snapshot_tables(cfg, shm, &merged, &rank_hubs, recovered.adopted, &rank_adopted, &metrics);
     let targets = cfg
         .ranks
         .iter()
@@ -254,6 +262,9 @@ async fn start_on_rings(
     let heartbeat_stop = Arc::new(AtomicBool::new(false));
     let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
     let heartbeat = crate::ring::spawn_heartbeat(hubs.clone(), heartbeat_stop.clone(), fatal_tx);
+    let checkpointer = (!snapshot_tables.is_empty()).then(|| {
+        crate::snapshot::spawn_checkpointer(snapshot_tables.clone(), heartbeat_stop.clone())
+    });
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let fanout = Arc::new(Fanout::new(
@@ -262,7 +273,8 @@ async fn start_on_rings(
         metrics.clone(),
         cfg.max_subscribers,
         shutdown_rx.clone(),
-    ));
+    )
+    .with_snapshots(crate::snapshot::Snapshots::new(cfg.snapshot.mode, snapshot_tables)));
     let metrics_task =
         metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
     let (reporter, _) = tonic_health::server::health_reporter();
@@ -315,7 +327,40 @@ async fn start_on_rings(
         health_task,
         health: reporter,
         hubs,
+        checkpointer,
     })
+}
+
+/// One snapshot table per ring (none with `--snapshot off`), restored from its checkpoint and
+/// hooked to its ring.
+fn attach_snapshot_tables(
+    cfg: &ServeConfig,
+    shm: &std::path::Path,
+    merged: &Arc<RingHub>,
+    rank_hubs: &[Arc<RingHub>],
+    merged_adopted: bool,
+    rank_adopted: &[bool],
+    metrics: &Metrics,
+) -> Vec<Arc<crate::snapshot::RingTable>> {
+    use crate::snapshot::{RingTable, SnapshotMetrics, SnapshotMode};
+    if cfg.snapshot.mode == SnapshotMode::Off {
+        return Vec::new();
+    }
+    let m = SnapshotMetrics::new(metrics);
+    let mut tables = vec![RingTable::attach(
+        merged,
+        shm,
+        merged_adopted,
+        None,
+        &cfg.snapshot,
+        m.clone(),
+    )];
+    for (r, hub) in rank_hubs.iter().enumerate() {
+        let path = rank_ring_path(shm, r as u32);
+        let adopted = rank_adopted.get(r).copied().unwrap_or(false);
+        tables.push(RingTable::attach(hub, &path, adopted, Some(r as i32), &cfg.snapshot, m.clone()));
+    }
+    tables
 }
 
 /// Removes leftovers of this bridge's rings from earlier runs (see

@@ -103,7 +103,10 @@ impl PathHandler {
             .get(DP_RANK_HEADER)
             .map(|v| v.as_bytes().to_vec());
         let start = req.get_ref().start_sequence_number;
-        let sub = self.fanout.subscribe(self.path, start, rank.as_deref())?;
+        let takes_chunks = req.get_ref().load_records_before_first_batch;
+        let sub = self
+            .fanout
+            .subscribe(self.path, start, rank.as_deref(), takes_chunks)?;
         tracing::debug!(path = self.path, start, "subscription opened");
         let metrics = self.fanout.metrics.clone();
         let latency = metrics.send_latency.with_label_values(&[self.path]);
