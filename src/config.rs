@@ -587,6 +587,9 @@ concern! {
         /// [default: 4000000].
         #[arg(long, value_name = "N")]
         pub snapshot_max_blocks: Option<usize>,
+        /// Largest snapshot chunk (4KiB to 4MiB − 64KiB) [default: 1MiB].
+        #[arg(long, value_name = "BYTES")]
+        pub snapshot_chunk_size: Option<ByteSize>,
     }
 }
 
@@ -600,9 +603,20 @@ impl SnapshotArgs {
                 "--snapshot-max-blocks: must be at least 1 (use --snapshot off for no table)",
             ));
         }
+        let chunk = match &self.snapshot_chunk_size {
+            Some(s) => s.bytes("snapshot-chunk-size")?,
+            None => crate::snapshot::CHUNK_MAX as u64,
+        };
+        if !(crate::snapshot::CHUNK_MIN as u64..=MAX_SPLIT_THRESHOLD).contains(&chunk) {
+            return Err(invalid(format!(
+                "--snapshot-chunk-size {chunk}: must be between {} and {MAX_SPLIT_THRESHOLD} bytes",
+                crate::snapshot::CHUNK_MIN
+            )));
+        }
         Ok(crate::snapshot::SnapshotConfig {
             mode: self.snapshot.unwrap_or_default(),
             max_blocks,
+            chunk_bytes: chunk as usize,
         })
     }
 }
@@ -1359,6 +1373,11 @@ mod tests {
                 "--snapshot-max-blocks 1000",
                 "snapshot-max-blocks = 1000",
                 "snapshot-max-blocks = 2000",
+            ),
+            row(
+                "--snapshot-chunk-size 64KiB",
+                r#"snapshot-chunk-size = "64KiB""#,
+                "snapshot-chunk-size = 8192",
             ),
             row(
                 "--max-subscribers 7",

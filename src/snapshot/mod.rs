@@ -39,7 +39,7 @@ use crate::ring::{PublishHook, RecordSource, RingHub};
 use kvbridge_shm::RecordMeta;
 
 pub use persist::{checkpoint_path, read_checkpoint, CheckpointError, Restored};
-pub use serve::{Chunks, CHUNK_MAX};
+pub use serve::{Chunks, CHUNK_MAX, CHUNK_MIN};
 pub use table::{Table, COPIES_CAP};
 
 /// When a subscriber starting from 0 gets a snapshot (`--snapshot`).
@@ -67,6 +67,8 @@ pub struct SnapshotConfig {
     pub mode: SnapshotMode,
     /// Most blocks a table holds; beyond, snapshots are marked incomplete.
     pub max_blocks: usize,
+    /// Largest snapshot chunk in bytes (below gRPC's 4 MiB default).
+    pub chunk_bytes: usize,
 }
 
 impl Default for SnapshotConfig {
@@ -74,6 +76,7 @@ impl Default for SnapshotConfig {
         SnapshotConfig {
             mode: SnapshotMode::Auto,
             max_blocks: DEFAULT_MAX_BLOCKS,
+            chunk_bytes: CHUNK_MAX,
         }
     }
 }
@@ -149,6 +152,7 @@ pub struct RingTable {
     table: Mutex<Table>,
     checkpoint: PathBuf,
     dp_rank: Option<i32>,
+    chunk_bytes: usize,
     written_generation: Mutex<u64>,
     metrics: Arc<SnapshotMetrics>,
 }
@@ -190,6 +194,7 @@ impl RingTable {
             table: Mutex::new(table),
             checkpoint,
             dp_rank,
+            chunk_bytes: cfg.chunk_bytes,
             written_generation: Mutex::new(generation),
             metrics,
         });
@@ -221,7 +226,12 @@ impl RingTable {
         let t0 = Instant::now();
         let (img, _) = self.image();
         let parsed = image::Image::parse(&img).expect("an image written in this process");
-        let chunks = serve::build(&parsed, crate::clock::unix_seconds(), self.dp_rank)?;
+        let chunks = serve::build(
+            &parsed,
+            crate::clock::unix_seconds(),
+            self.dp_rank,
+            self.chunk_bytes,
+        )?;
         let m = &self.metrics;
         m.seconds
             .with_label_values(&[&self.label])
@@ -327,7 +337,7 @@ pub fn from_checkpoint(ring: &Path) -> Result<Chunks, persist::CheckpointError> 
     let bytes = read_checkpoint(&checkpoint_path(ring))?;
     let img = image::Image::parse(&bytes)
         .map_err(|e| persist::CheckpointError::Damaged(e.to_string()))?;
-    serve::build(&img, crate::clock::unix_seconds(), None).ok_or_else(|| {
+    serve::build(&img, crate::clock::unix_seconds(), None, CHUNK_MAX).ok_or_else(|| {
         persist::CheckpointError::Damaged("cut below the chunk count".to_string())
     })
 }

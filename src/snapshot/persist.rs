@@ -177,7 +177,10 @@ pub(crate) fn restore(
         },
         Err(e) => e.to_string(),
     };
+    // Where the state began is unknown: origin 0 (no window reaches back to it) and
+    // incomplete, until a clear in the ring (or a later one) sets both.
     let mut t = Table::new(max_blocks, o);
+    t.origin = 0;
     t.unknown = 1;
     catch_up(&mut t, reader, o, n);
     (t, Restored::Ring { why })

@@ -16,8 +16,10 @@ use prost::encoding::{encode_varint, encoded_len_varint};
 
 use super::image::{Image, ImageBlock};
 
-/// Most bytes in one chunk (the events of a chunk stop growing before they pass it).
+/// Default most bytes in one chunk (the events of a chunk stop growing before they pass it).
 pub const CHUNK_MAX: usize = 1 << 20;
+/// Smallest chunk limit accepted: one block with its store's fields always fits.
+pub const CHUNK_MIN: usize = 4096;
 
 /// Per-chunk bytes outside `events`: sequence number, timestamp, dp_rank and the snapshot
 /// message, at their largest.
@@ -96,14 +98,16 @@ struct Builder<'a> {
     parent: Option<i64>,
     attrs: u32,
     last: Option<i64>,
+    max: usize,
 }
 
 impl<'a> Builder<'a> {
-    fn new(img: &'a Image<'a>) -> Self {
+    fn new(img: &'a Image<'a>, max: usize) -> Self {
         let mut b = Builder {
             img,
+            max,
             chunks: Vec::new(),
-            cur: Vec::with_capacity(CHUNK_MAX),
+            cur: Vec::with_capacity(max),
             blocks: Vec::new(),
             parent: None,
             attrs: 0,
@@ -159,7 +163,7 @@ impl<'a> Builder<'a> {
 
     fn close_chunk(&mut self) {
         self.close_store();
-        let full = std::mem::replace(&mut self.cur, Vec::with_capacity(CHUNK_MAX));
+        let full = std::mem::replace(&mut self.cur, Vec::with_capacity(self.max));
         self.chunks.push(full);
     }
 
@@ -168,7 +172,7 @@ impl<'a> Builder<'a> {
     fn block(&mut self, b: &ImageBlock<'_>) {
         let continues = self.last.is_some() && self.last == b.parent && self.attrs == b.attrs;
         if continues {
-            if self.cur.len() + self.open_len(b.block.len()) + CHUNK_OVERHEAD > CHUNK_MAX {
+            if self.cur.len() + self.open_len(b.block.len()) + CHUNK_OVERHEAD > self.max {
                 // the chain goes on in the next chunk, its parent named explicitly
                 self.close_chunk();
             }
@@ -176,7 +180,7 @@ impl<'a> Builder<'a> {
             self.close_store();
         }
         if self.last.is_none() {
-            if self.cur.len() + self.open_len_new(b) + CHUNK_OVERHEAD > CHUNK_MAX {
+            if self.cur.len() + self.open_len_new(b) + CHUNK_OVERHEAD > self.max {
                 self.close_chunk();
             }
             self.parent = b.parent;
@@ -200,11 +204,17 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Builds the chunks of `img` (taken at its cut N), stamped `ts`, carrying `dp_rank` when set.
-/// `None` when N < count (the numbers N − count + 1 … N would not all be ≥ 1).
-pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>) -> Option<Chunks> {
+/// Builds the chunks of `img` (taken at its cut N), stamped `ts`, carrying `dp_rank` when set,
+/// each at most `max` bytes. `None` when N < count (the numbers N − count + 1 … N would not
+/// all be ≥ 1).
+pub(crate) fn build(
+    img: &Image<'_>,
+    ts: f64,
+    dp_rank: Option<i32>,
+    max: usize,
+) -> Option<Chunks> {
     let order = parents_first(&img.blocks);
-    let mut b = Builder::new(img);
+    let mut b = Builder::new(img, max.max(CHUNK_MIN));
     for &i in &order {
         b.block(&img.blocks[i as usize]);
     }
