@@ -1368,7 +1368,11 @@ mod tests {
             ),
             row("--profile all", r#"profile = "all""#, r#"profile = "smg""#),
             // Snapshots.
-            row("--snapshot off", r#"snapshot = "off""#, r#"snapshot = "on""#),
+            row(
+                "--snapshot off",
+                r#"snapshot = "off""#,
+                r#"snapshot = "on""#,
+            ),
             row(
                 "--snapshot-max-blocks 1000",
                 "snapshot-max-blocks = 1000",

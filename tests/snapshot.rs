@@ -16,8 +16,7 @@ use common::*;
 use kv_index::salt::{content_hash_with_seed, namespace_seed};
 use kv_index::{PositionalIndexer, SequenceHash, StoredBlock, WorkerBlockMap};
 use kvbridge::proto::common::{
-    kv_cache_event::Data, KvBlocksRemoved, KvBlocksStored, KvEventBatch,
-    SubscribeKvEventsRequest,
+    kv_cache_event::Data, KvBlocksRemoved, KvBlocksStored, KvEventBatch, SubscribeKvEventsRequest,
 };
 use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
 use kvbridge::sim::{Layout, Rng, SimEvent};
@@ -82,7 +81,11 @@ impl Gateway {
             *c = (*c + 1).min(CAP);
         }
         let parent = s.parent_block_hash.map(SequenceHash::from);
-        if self.idx.apply_stored(0, &blocks, parent, &mut self.map).is_err() {
+        if self
+            .idx
+            .apply_stored(0, &blocks, parent, &mut self.map)
+            .is_err()
+        {
             self.idx
                 .apply_stored(0, &blocks, None, &mut self.map)
                 .unwrap();
@@ -405,7 +408,14 @@ async fn churn(
                     log += &std::fs::read_to_string(e.path()).unwrap_or_default();
                 }
             }
-            let tail: String = log.chars().rev().take(3000).collect::<Vec<_>>().into_iter().rev().collect();
+            let tail: String = log
+                .chars()
+                .rev()
+                .take(3000)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
             panic!(
                 "markers {markers:?} never arrived (newest {n}, found {} hashes); bridge log:\n{tail}",
                 found.len()
@@ -498,13 +508,20 @@ async fn a_late_gateway_gets_the_same_blocks_as_one_that_saw_everything() {
         assert_eq!(unknown, 0, "complete");
         let xb = x.lock().unwrap().blocks();
         assert!(xb.len() > 500, "a real state ({} blocks)", xb.len());
-        same(&y.blocks(), &xb, &format!("cut {cut}: Y (late, snapshot + live) vs X (everything)"));
+        same(
+            &y.blocks(),
+            &xb,
+            &format!("cut {cut}: Y (late, snapshot + live) vs X (everything)"),
+        );
 
         // The window alone (a client that does not take chunks) misses what was stored
         // before the ring's oldest record.
         let (z, zchunks, _) = late(&bridge.url(), n, false).await;
         assert_eq!(zchunks, 0);
-        assert!(z.held() != x.lock().unwrap().held(), "the window alone differs");
+        assert!(
+            z.held() != x.lock().unwrap().held(),
+            "the window alone differs"
+        );
     }
 
     // Disconnect mid-snapshot, resubscribe from 0: the whole state again.
@@ -516,7 +533,11 @@ async fn a_late_gateway_gets_the_same_blocks_as_one_that_saw_everything() {
     drop(s);
     let (y, chunks, _) = late(&bridge.url(), n, true).await;
     assert!(chunks >= 2);
-    same(&y.blocks(), &x.lock().unwrap().blocks(), "resumed: whole state");
+    same(
+        &y.blocks(),
+        &x.lock().unwrap().blocks(),
+        "resumed: whole state",
+    );
     assert!(bridge.stop().success());
 }
 
@@ -533,11 +554,18 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
     wait_seq(&x, n).await;
     let (y, chunks, _) = late(&bridge.url(), n, true).await;
     assert!(chunks >= 2);
-    same(&y.blocks(), &x.lock().unwrap().blocks(), "before SIGKILL: Y vs X");
+    same(
+        &y.blocks(),
+        &x.lock().unwrap().blocks(),
+        "before SIGKILL: Y vs X",
+    );
     let snap = kvbridge::snapshot::checkpoint_path(&ring);
     let deadline = std::time::Instant::now() + T;
     while !snap.exists() {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint written");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint written"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     // SIGKILL: no shutdown path; the checkpoint is whatever the last periodic write left.
@@ -550,14 +578,29 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
     let (y, chunks, unknown) = late(&bridge.url(), n, true).await;
     assert!(chunks >= 2);
     assert_eq!(unknown, 0, "checkpoint + ring catch-up: complete");
-    same(&y.blocks(), &x.lock().unwrap().blocks(), "after SIGKILL: Y vs X");
+    same(
+        &y.blocks(),
+        &x.lock().unwrap().blocks(),
+        "after SIGKILL: Y vs X",
+    );
 
     // A local reader gets the same state from the checkpoint (`tail --snapshot`).
     let out = std::process::Command::new(bin())
-        .args(["tail", "--shm", ring.to_str().unwrap(), "--snapshot", "--count", "1"])
+        .args([
+            "tail",
+            "--shm",
+            ring.to_str().unwrap(),
+            "--snapshot",
+            "--count",
+            "1",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let line = String::from_utf8_lossy(&out.stdout);
     assert!(line.contains("\"snapshot\""), "{line}");
 
@@ -569,8 +612,15 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
     std::fs::write(&snap, &bytes).unwrap();
     let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
     let (_, _, unknown) = late(&bridge.url(), n, true).await;
-    assert!(unknown > 0, "a damaged checkpoint gives an incomplete-marked snapshot");
-    assert!(bridge.log().contains("damaged checkpoint"), "{}", bridge.log());
+    assert!(
+        unknown > 0,
+        "a damaged checkpoint gives an incomplete-marked snapshot"
+    );
+    assert!(
+        bridge.log().contains("damaged checkpoint"),
+        "{}",
+        bridge.log()
+    );
     assert!(bridge.stop().success());
 }
 
@@ -589,7 +639,10 @@ async fn snapshot_off_serves_the_window_only() {
     wait_seq(&x, n).await;
     let (y, chunks, _) = late(&bridge.url(), n, true).await;
     assert_eq!(chunks, 0, "--snapshot off: no chunks");
-    assert!(y.held() != x.lock().unwrap().held(), "the window alone differs");
+    assert!(
+        y.held() != x.lock().unwrap().held(),
+        "the window alone differs"
+    );
     assert!(!kvbridge::snapshot::checkpoint_path(&ring).exists());
     assert!(bridge.stop().success());
 }

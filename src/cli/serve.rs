@@ -237,7 +237,15 @@ async fn start_on_rings(
         );
     }
     // Snapshot tables: attached before ingest starts, so they see every record (issue 10).
-    let snapshot_tables = attach_snapshot_tables(cfg, shm, &merged, &rank_hubs, recovered.adopted, &rank_adopted, &metrics);
+    let snapshot_tables = attach_snapshot_tables(
+        cfg,
+        shm,
+        &merged,
+        &rank_hubs,
+        recovered.adopted,
+        &rank_adopted,
+        &metrics,
+    );
     let targets = cfg
         .ranks
         .iter()
@@ -267,14 +275,19 @@ async fn start_on_rings(
     });
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let fanout = Arc::new(Fanout::new(
-        merged.clone(),
-        rank_hubs,
-        metrics.clone(),
-        cfg.max_subscribers,
-        shutdown_rx.clone(),
-    )
-    .with_snapshots(crate::snapshot::Snapshots::new(cfg.snapshot.mode, snapshot_tables)));
+    let fanout = Arc::new(
+        Fanout::new(
+            merged.clone(),
+            rank_hubs,
+            metrics.clone(),
+            cfg.max_subscribers,
+            shutdown_rx.clone(),
+        )
+        .with_snapshots(crate::snapshot::Snapshots::new(
+            cfg.snapshot.mode,
+            snapshot_tables,
+        )),
+    );
     let metrics_task =
         metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
     let (reporter, _) = tonic_health::server::health_reporter();
@@ -358,7 +371,14 @@ fn attach_snapshot_tables(
     for (r, hub) in rank_hubs.iter().enumerate() {
         let path = rank_ring_path(shm, r as u32);
         let adopted = rank_adopted.get(r).copied().unwrap_or(false);
-        tables.push(RingTable::attach(hub, &path, adopted, Some(r as i32), &cfg.snapshot, m.clone()));
+        tables.push(RingTable::attach(
+            hub,
+            &path,
+            adopted,
+            Some(r as i32),
+            &cfg.snapshot,
+            m.clone(),
+        ));
     }
     tables
 }

@@ -43,7 +43,11 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
             .map_err(|e| CliError::Failed(format!("--snapshot: {e}")))?;
         use std::io::Write;
         let mut out = std::io::stdout().lock();
-        for c in chunks.chunks.iter().take(a.count.unwrap_or(u64::MAX) as usize) {
+        for c in chunks
+            .chunks
+            .iter()
+            .take(a.count.unwrap_or(u64::MAX) as usize)
+        {
             let json = printer.to_json(c).map_err(CliError::Failed)?;
             if writeln!(out, "{json}").and_then(|_| out.flush()).is_err() {
                 return Ok(());

@@ -48,7 +48,8 @@ impl StoredEvent for StoredView<'_> {
             buf: &mut out[start..],
             pos: 0,
         };
-        self.dec.write_block(self.payload, self.ev, i as u32, &mut w);
+        self.dec
+            .write_block(self.payload, self.ev, i as u32, &mut w);
         debug_assert_eq!(w.pos, len);
     }
 }

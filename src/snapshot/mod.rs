@@ -186,7 +186,9 @@ impl RingTable {
             Restored::Ring { why } if adopted => tracing::warn!(ring = hub.label(),
                 blocks = table.len(), reason = %why,
                 "snapshot table rebuilt from the ring alone: snapshots are marked incomplete until the next clear"),
-            r => tracing::info!(ring = hub.label(), blocks = table.len(), restored = ?r, "snapshot table ready"),
+            r => {
+                tracing::info!(ring = hub.label(), blocks = table.len(), restored = ?r, "snapshot table ready")
+            }
         }
         let generation = table.generation;
         let t = Arc::new(RingTable {
@@ -266,13 +268,8 @@ impl RingTable {
 
     /// Updates the table gauges.
     pub fn refresh_metrics(&self) {
-        let (per_rank, bytes, unknown) = self.with_table(|t| {
-            (
-                t.per_rank().to_vec(),
-                t.bytes() as i64,
-                t.unknown() as i64,
-            )
-        });
+        let (per_rank, bytes, unknown) =
+            self.with_table(|t| (t.per_rank().to_vec(), t.bytes() as i64, t.unknown() as i64));
         let m = &self.metrics;
         for (r, n) in per_rank.iter().enumerate() {
             m.blocks
@@ -295,10 +292,7 @@ impl Snapshots {
     pub fn new(mode: SnapshotMode, tables: Vec<Arc<RingTable>>) -> Self {
         Snapshots {
             mode,
-            tables: tables
-                .into_iter()
-                .map(|t| (t.label.clone(), t))
-                .collect(),
+            tables: tables.into_iter().map(|t| (t.label.clone(), t)).collect(),
         }
     }
 
@@ -337,9 +331,8 @@ pub fn from_checkpoint(ring: &Path) -> Result<Chunks, persist::CheckpointError> 
     let bytes = read_checkpoint(&checkpoint_path(ring))?;
     let img = image::Image::parse(&bytes)
         .map_err(|e| persist::CheckpointError::Damaged(e.to_string()))?;
-    serve::build(&img, crate::clock::unix_seconds(), None, CHUNK_MAX).ok_or_else(|| {
-        persist::CheckpointError::Damaged("cut below the chunk count".to_string())
-    })
+    serve::build(&img, crate::clock::unix_seconds(), None, CHUNK_MAX)
+        .ok_or_else(|| persist::CheckpointError::Damaged("cut below the chunk count".to_string()))
 }
 
 /// Writes each table's checkpoint once a second (when it changed) and refreshes the gauges,

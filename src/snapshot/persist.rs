@@ -102,8 +102,7 @@ pub fn read_checkpoint(path: &Path) -> Result<Vec<u8>, CheckpointError> {
 
 /// Removes temporary checkpoint files a killed writer left beside `path`.
 pub(crate) fn remove_stale_tmp(path: &Path) {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str()))
-    else {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
         return;
     };
     let dir = if dir.as_os_str().is_empty() {
@@ -114,7 +113,10 @@ pub(crate) fn remove_stale_tmp(path: &Path) {
     let prefix = format!("{name}.tmp.");
     if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {
-            if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            if e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(&prefix))
+            {
                 let _ = std::fs::remove_file(e.path());
             }
         }

@@ -9,12 +9,11 @@
 //! * the `count` chunks are numbered N − count + 1 … N, each with `snapshot { index, count,
 //!   blocks, unknown_before }`; live batches continue at N + 1;
 //! * every chunk stays under [`CHUNK_MAX`] bytes (gRPC's 4 MiB default is the hard limit).
-use std::collections::HashMap;
-
 use bytes::Bytes;
 use prost::encoding::{encode_varint, encoded_len_varint};
 
 use super::image::{Image, ImageBlock};
+use super::table::FastMap;
 
 /// Default most bytes in one chunk (the events of a chunk stop growing before they pass it).
 pub const CHUNK_MAX: usize = 1 << 20;
@@ -44,7 +43,8 @@ pub struct Chunks {
 fn parents_first(blocks: &[ImageBlock<'_>]) -> Vec<u32> {
     let n = blocks.len();
     // first index per hash, then a chain of further indexes with the same hash
-    let mut first: HashMap<i64, u32> = HashMap::with_capacity(n);
+    let mut first: FastMap<i64, u32> = FastMap::default();
+    first.reserve(n);
     let mut next_same = vec![u32::MAX; n];
     for (i, b) in blocks.iter().enumerate() {
         if let Some(prev) = first.insert(b.hash, i as u32) {
@@ -207,12 +207,7 @@ impl<'a> Builder<'a> {
 /// Builds the chunks of `img` (taken at its cut N), stamped `ts`, carrying `dp_rank` when set,
 /// each at most `max` bytes. `None` when N < count (the numbers N − count + 1 … N would not
 /// all be ≥ 1).
-pub(crate) fn build(
-    img: &Image<'_>,
-    ts: f64,
-    dp_rank: Option<i32>,
-    max: usize,
-) -> Option<Chunks> {
+pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) -> Option<Chunks> {
     let order = parents_first(&img.blocks);
     let mut b = Builder::new(img, max.max(CHUNK_MIN));
     for &i in &order {

@@ -17,8 +17,51 @@
 //! counted: thousands of blocks share a handful). [`Table::bytes`] reports what the table holds
 //! (entries, slices, attribute sets), so bytes per block can be read off the metrics.
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::ring::{EventVisitor, StoredEvent};
+
+/// A multiply-rotate hasher (FxHash's): block hashes are already well mixed, and the table does
+/// a lookup per stored and removed block on the ingest path, where SipHash would cost more
+/// than the rest of the update. Not DoS-resistant; keys come from the engine, not the network.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FastHasher(u64);
+
+impl Hasher for FastHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.write_u64(u64::from_le_bytes(c.try_into().expect("8")));
+        }
+        for &b in chunks.remainder() {
+            self.write_u64(b as u64);
+        }
+    }
+    #[inline]
+    fn write_u8(&mut self, v: u8) {
+        self.write_u64(v as u64);
+    }
+    #[inline]
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    #[inline]
+    fn write_i64(&mut self, v: i64) {
+        self.write_u64(v as u64);
+    }
+    #[inline]
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+}
+
+/// `HashMap` with [`FastHasher`].
+pub(crate) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
 
 /// Copies of one block per class the table (and a G2 gateway) counts; more stores are counted
 /// as this many.
@@ -61,9 +104,9 @@ const ENTRY_OVERHEAD: usize =
 /// The table of one ring.
 #[derive(Debug, Default)]
 pub struct Table {
-    pub(crate) blocks: HashMap<(i64, u8), Entry>,
+    pub(crate) blocks: FastMap<(i64, u8), Entry>,
     pub(crate) attrs: Vec<Attrs>,
-    attr_ids: HashMap<Box<[u8]>, u32>,
+    attr_ids: FastMap<Box<[u8]>, u32>,
     free_attrs: Vec<u32>,
     /// Σ boxed block bytes and attribute bytes.
     heap_bytes: usize,
@@ -132,13 +175,8 @@ impl Table {
     }
 
     /// Applies one published source's events, from `rank`, written as records ending at
-    /// `last_seq`.
-    pub(crate) fn apply(
-        &mut self,
-        src: &dyn crate::ring::RecordSource,
-        rank: u32,
-        last_seq: u64,
-    ) {
+    /// `last_seq` (what the ring's hook does; public for benchmarks and local tools).
+    pub fn apply(&mut self, src: &dyn crate::ring::RecordSource, rank: u32, last_seq: u64) {
         let first = (last_seq + 1).saturating_sub(src.records() as u64);
         self.apply_with(rank, first, last_seq, &mut |v| src.visit(v));
     }
@@ -161,6 +199,20 @@ impl Table {
         self.generation += 1;
     }
 
+    /// The table's snapshot at its cut, in chunks of at most `chunk_bytes` (`None`: the cut is
+    /// below the chunk count). What a subscriber gets; here without the lock and metrics.
+    pub fn chunks(&self, chunk_bytes: usize) -> Option<super::Chunks> {
+        let mut img = Vec::new();
+        self.write_image(&mut img);
+        let parsed = super::image::Image::parse(&img).expect("an image written in this process");
+        super::serve::build(&parsed, crate::clock::unix_seconds(), None, chunk_bytes)
+    }
+
+    /// The table's image (LAYOUT.md §2) appended to `out`: the copy taken under the lock.
+    pub fn image(&self, out: &mut Vec<u8>) {
+        self.write_image(out);
+    }
+
     /// Marks the table as missing `n` events (input it could not follow).
     pub(crate) fn lose(&mut self, n: u64) {
         self.unknown = self.unknown.saturating_add(n.max(1));
@@ -169,7 +221,7 @@ impl Table {
 
     /// Empties the table; its state begins again at record `seq` (complete).
     pub(crate) fn clear(&mut self, seq: u64) {
-        self.blocks = HashMap::new();
+        self.blocks = FastMap::default();
         self.attrs.clear();
         self.attr_ids.clear();
         self.free_attrs.clear();
@@ -242,22 +294,37 @@ impl Table {
         let mut lost = false;
         for i in 0..ev.blocks() {
             let hash = ev.hash(i);
-            if let Some(e) = self.blocks.get_mut(&(hash, class)) {
-                e.copies = (e.copies + 1).min(COPIES_CAP);
-                continue;
-            }
-            scratch.clear();
-            ev.write_block(i, &mut scratch);
-            let parent = if i == 0 { ev.parent() } else { Some(ev.hash(i - 1)) };
-            let e = Entry {
-                parent,
-                block: scratch.as_slice().into(),
-                attrs,
-                copies: 1,
-                rank: self.rank,
-            };
-            if !self.insert(hash, class, e) {
-                lost = true;
+            let full = self.blocks.len() >= self.max_blocks;
+            // one lookup per block: the entry is either another copy or a new block
+            match self.blocks.entry((hash, class)) {
+                std::collections::hash_map::Entry::Occupied(mut o) => {
+                    let e = o.get_mut();
+                    e.copies = (e.copies + 1).min(COPIES_CAP);
+                }
+                std::collections::hash_map::Entry::Vacant(_) if full => lost = true,
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    scratch.clear();
+                    ev.write_block(i, &mut scratch);
+                    let parent = if i == 0 {
+                        ev.parent()
+                    } else {
+                        Some(ev.hash(i - 1))
+                    };
+                    self.heap_bytes += scratch.len();
+                    self.attrs[attrs as usize].refs += 1;
+                    let r = self.rank as usize;
+                    if self.per_rank.len() <= r {
+                        self.per_rank.resize(r + 1, 0);
+                    }
+                    self.per_rank[r] += 1;
+                    v.insert(Entry {
+                        parent,
+                        block: scratch.as_slice().into(),
+                        attrs,
+                        copies: 1,
+                        rank: self.rank,
+                    });
+                }
             }
         }
         self.scratch = scratch;
