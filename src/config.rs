@@ -272,14 +272,14 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub security: SecurityArgs,
-    /// Metrics, logs, health.
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub ops: OpsArgs,
     /// Snapshots for late joiners.
     #[command(flatten)]
     #[serde(flatten)]
     pub snapshot: SnapshotArgs,
+    /// Metrics, logs, health.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub ops: OpsArgs,
     /// Keys of a TOML file that name no setting (`deny_unknown_fields` does not work with
     /// `flatten`); never set from flags, rejected by [`ServeArgs::resolve`].
     #[arg(skip)]
