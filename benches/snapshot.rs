@@ -71,9 +71,8 @@ fn big_table() -> Table {
     let mut rng = Rng::new(3);
     let mut dec = Decoder::new(DecodeConfig::default());
     let mut t = Table::new(usize::MAX, 1);
-    let mut seq = 1;
     // 1,000 prompts of 1,000 blocks, each a chain from the root
-    for _ in 0..1000 {
+    for seq in 1..=1000 {
         let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
         let tokens: Vec<u32> = (0..16_000).map(|_| rng.range(1, 151_000) as u32).collect();
         let ev = SimEvent::Stored {
@@ -86,7 +85,6 @@ fn big_table() -> Table {
         let p = encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0);
         let plan = dec.plan(&p).expect("valid");
         t.apply(&dec.planned(&plan, &p), 0, seq);
-        seq += 1;
     }
     t
 }
