@@ -14,7 +14,7 @@
 //! exactly the events of records ≤ its cut, and the subscriber continues from the ring at
 //! cut + 1: no gap, no duplicate, whatever ingest does meanwhile.
 //!
-//! **Restart.** A checkpoint thread writes the image to `<ring>.snapshot` once a second when the
+//! **Restart.** A checkpoint thread writes the image to `<ring>.snapshot` about once a second when the
 //! table changed, and once more at shutdown. At start-up the table is the checkpoint plus the
 //! ring records after its cut (SIGKILL loses nothing the ring still holds); a missing, damaged
 //! or too old checkpoint gives a table rebuilt from the ring alone, marked incomplete
@@ -154,6 +154,9 @@ pub struct RingTable {
     dp_rank: Option<i32>,
     chunk_bytes: usize,
     written_generation: Mutex<u64>,
+    /// When the next checkpoint may be taken: copying the image holds ingest, so the interval
+    /// grows with the copy time (≤ 5 % of ingest time, at least once a second).
+    next_checkpoint: Mutex<Instant>,
     metrics: Arc<SnapshotMetrics>,
 }
 
@@ -198,6 +201,7 @@ impl RingTable {
             dp_rank,
             chunk_bytes: cfg.chunk_bytes,
             written_generation: Mutex::new(generation),
+            next_checkpoint: Mutex::new(Instant::now()),
             metrics,
         });
         hub.set_hook(t.clone());
@@ -254,13 +258,19 @@ impl RingTable {
         Some(chunks)
     }
 
-    /// Writes the checkpoint if the table changed since the last one.
-    pub fn checkpoint(&self) -> std::io::Result<bool> {
+    /// Writes the checkpoint if the table changed since the last one (and, unless `now`, if
+    /// the interval since the last one has passed).
+    pub fn checkpoint(&self, now: bool) -> std::io::Result<bool> {
         let mut written = self.written_generation.lock();
-        if self.table.lock().generation == *written {
+        if self.table.lock().generation == *written
+            || (!now && Instant::now() < *self.next_checkpoint.lock())
+        {
             return Ok(false);
         }
+        let t0 = Instant::now();
         let (img, generation) = self.image();
+        let held = t0.elapsed();
+        *self.next_checkpoint.lock() = Instant::now() + (held * 20).max(Duration::from_secs(1));
         persist::write_checkpoint(&self.checkpoint, generation, &img)?;
         *written = generation;
         Ok(true)
@@ -335,8 +345,9 @@ pub fn from_checkpoint(ring: &Path) -> Result<Chunks, persist::CheckpointError> 
         .ok_or_else(|| persist::CheckpointError::Damaged("cut below the chunk count".to_string()))
 }
 
-/// Writes each table's checkpoint once a second (when it changed) and refreshes the gauges,
-/// until `stop`; then writes a last checkpoint.
+/// Writes each table's checkpoint when it changed, once a second or, for large tables, as
+/// often as keeps the image copies (which hold ingest) under 5 % of the time; refreshes the
+/// gauges; at `stop` writes a last checkpoint.
 pub fn spawn_checkpointer(
     tables: Vec<Arc<RingTable>>,
     stop: Arc<AtomicBool>,
@@ -350,7 +361,7 @@ pub fn spawn_checkpointer(
                 if stopping || last.elapsed() >= Duration::from_secs(1) {
                     last = Instant::now();
                     for t in &tables {
-                        if let Err(e) = t.checkpoint() {
+                        if let Err(e) = t.checkpoint(stopping) {
                             tracing::warn!(ring = t.label(), path = %t.checkpoint.display(), error = %e,
                                 "cannot write the snapshot checkpoint");
                         }
