@@ -57,6 +57,10 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
         target = chunks.cut + 1;
     }
     reader.seek(target).map_err(|e| match e {
+        SeekError::TooOld { oldest, newest, .. } if a.snapshot => CliError::Failed(format!(
+            "--snapshot: the ring no longer holds the record after the checkpoint's cut {}              (window [{oldest}, {newest}]); run it again",
+            target - 1
+        )),
         SeekError::TooOld { oldest, newest, .. } => CliError::Failed(format!(
             "--from {}: older than the retained window [{oldest}, {newest}]",
             a.from
