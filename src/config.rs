@@ -276,6 +276,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub nats: NatsArgs,
+    /// Snapshots for late joiners.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub snapshot: SnapshotArgs,
     /// Metrics, logs, health.
     #[command(flatten)]
     #[serde(flatten)]
@@ -306,6 +310,7 @@ impl ServeArgs {
             nats,
             ops,
             proxy,
+            snapshot,
             ..
         } = self.clone();
         // Sidecar mode raises the default stream limit (see `ProxyArgs`), so whether the flag
@@ -321,7 +326,9 @@ impl ServeArgs {
         let security = security.merge(file.security).validate()?;
         let ops = ops.merge(file.ops).validate(streaming.grpc)?;
         let nats = nats.merge(file.nats).validate()?;
+        let snapshot = snapshot.merge(file.snapshot).validate()?;
         Ok(ServeConfig {
+            snapshot,
             ranks: engine.ranks,
             topic: engine.topic,
             grpc: streaming.grpc,
@@ -588,6 +595,52 @@ impl RingArgs {
             seq_base: self.seq_base,
             split_threshold,
             shm_group_read: self.shm_group_read,
+        })
+    }
+}
+
+concern! {
+    /// Snapshots for late joiners (docs/smg-api.md §6.5).
+    #[command(next_help_heading = "Snapshots")]
+    pub struct SnapshotArgs {
+        /// When a subscriber starting from 0 gets the live block table as snapshot chunks
+        /// [default: auto].
+        #[arg(long, value_enum)]
+        pub snapshot: Option<crate::snapshot::SnapshotMode>,
+        /// Most blocks the table holds per ring; beyond, snapshots are marked incomplete
+        /// [default: 4000000].
+        #[arg(long, value_name = "N")]
+        pub snapshot_max_blocks: Option<usize>,
+        /// Largest snapshot chunk (4KiB to 4MiB − 64KiB) [default: 1MiB].
+        #[arg(long, value_name = "BYTES")]
+        pub snapshot_chunk_size: Option<ByteSize>,
+    }
+}
+
+impl SnapshotArgs {
+    fn validate(self) -> Result<crate::snapshot::SnapshotConfig, ConfigError> {
+        let max_blocks = self
+            .snapshot_max_blocks
+            .unwrap_or(crate::snapshot::DEFAULT_MAX_BLOCKS);
+        if max_blocks == 0 {
+            return Err(invalid(
+                "--snapshot-max-blocks: must be at least 1 (use --snapshot off for no table)",
+            ));
+        }
+        let chunk = match &self.snapshot_chunk_size {
+            Some(s) => s.bytes("snapshot-chunk-size")?,
+            None => crate::snapshot::CHUNK_MAX as u64,
+        };
+        if !(crate::snapshot::CHUNK_MIN as u64..=MAX_SPLIT_THRESHOLD).contains(&chunk) {
+            return Err(invalid(format!(
+                "--snapshot-chunk-size {chunk}: must be between {} and {MAX_SPLIT_THRESHOLD} bytes",
+                crate::snapshot::CHUNK_MIN
+            )));
+        }
+        Ok(crate::snapshot::SnapshotConfig {
+            mode: self.snapshot.unwrap_or_default(),
+            max_blocks,
+            chunk_bytes: chunk as usize,
         })
     }
 }
@@ -1150,6 +1203,8 @@ pub struct ServeConfig {
     pub nats: Option<NatsConfig>,
     /// Sidecar mode: the engine's gRPC server everything but `SubscribeKvEvents` goes to.
     pub proxy: Option<ProxyConfig>,
+    /// Snapshots for late joiners.
+    pub snapshot: crate::snapshot::SnapshotConfig,
 }
 
 impl ServeConfig {
@@ -1791,6 +1846,22 @@ mod tests {
                 "send-dp-rank = false",
             ),
             row("--profile all", r#"profile = "all""#, r#"profile = "smg""#),
+            // Snapshots.
+            row(
+                "--snapshot off",
+                r#"snapshot = "off""#,
+                r#"snapshot = "on""#,
+            ),
+            row(
+                "--snapshot-max-blocks 1000",
+                "snapshot-max-blocks = 1000",
+                "snapshot-max-blocks = 2000",
+            ),
+            row(
+                "--snapshot-chunk-size 64KiB",
+                r#"snapshot-chunk-size = "64KiB""#,
+                "snapshot-chunk-size = 8192",
+            ),
             row(
                 "--max-subscribers 7",
                 "max-subscribers = 7",

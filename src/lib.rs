@@ -36,3 +36,4 @@ pub mod ring;
 pub mod secrets;
 pub mod sim;
 pub mod sink;
+pub mod snapshot;

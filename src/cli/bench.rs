@@ -112,6 +112,7 @@ impl Drop for OwnBridge {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = kvbridge_shm::remove_ring(&self.shm);
+        let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(&self.shm));
     }
 }
 

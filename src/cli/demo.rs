@@ -96,6 +96,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     impl Drop for RemoveRing {
         fn drop(&mut self) {
             let _ = kvbridge_shm::remove_ring(&self.0);
+            let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(&self.0));
         }
     }
     let _remove_ring = RemoveRing(shm.clone());

@@ -98,6 +98,7 @@ pub struct ServiceHandle {
     hubs: Vec<Arc<RingHub>>,
     /// The NATS JetStream sink, when `--nats` is given.
     sink: Option<crate::sink::Sink>,
+    checkpointer: Option<std::thread::JoinHandle<()>>,
 }
 
 impl ServiceHandle {
@@ -141,6 +142,9 @@ impl ServiceHandle {
         }
         self.heartbeat_stop.store(true, Ordering::SeqCst);
         let _ = self.heartbeat.join();
+        if let Some(c) = self.checkpointer {
+            let _ = c.join(); // writes the last checkpoint
+        }
         drop(self.fanout);
         drop(self.hubs);
         drop(self.merged);
@@ -186,6 +190,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     .await;
     if started.is_err() {
         for path in &created {
+            let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(path));
             if let Err(e) = kvbridge_shm::remove_ring(path) {
                 tracing::warn!(path = %path.display(), error = %e, "cannot remove the ring this failed start created");
             }
@@ -219,6 +224,7 @@ async fn start_on_rings(
     }
     tracing::info!(path = %shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
+    let mut rank_adopted = Vec::new();
     if cfg.dp_mode == DpMode::Metadata {
         for r in &cfg.ranks {
             let path = rank_ring_path(shm, r.rank);
@@ -227,6 +233,7 @@ async fn start_on_rings(
             if !rec.adopted {
                 created.push(path);
             }
+            rank_adopted.push(rec.adopted);
             rank_hubs.push(hub);
         }
     }
@@ -252,6 +259,16 @@ async fn start_on_rings(
         }
         None => None,
     };
+    // Snapshot tables: attached before ingest starts, so they see every record (issue 10).
+    let snapshot_tables = attach_snapshot_tables(
+        cfg,
+        shm,
+        &merged,
+        &rank_hubs,
+        recovered.adopted,
+        &rank_adopted,
+        &metrics,
+    );
     let targets = cfg
         .ranks
         .iter()
@@ -276,15 +293,24 @@ async fn start_on_rings(
     let heartbeat_stop = Arc::new(AtomicBool::new(false));
     let (fatal_tx, fatal) = tokio::sync::watch::channel(None);
     let heartbeat = crate::ring::spawn_heartbeat(hubs.clone(), heartbeat_stop.clone(), fatal_tx);
+    let checkpointer = (!snapshot_tables.is_empty()).then(|| {
+        crate::snapshot::spawn_checkpointer(snapshot_tables.clone(), heartbeat_stop.clone())
+    });
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let fanout = Arc::new(Fanout::new(
-        merged.clone(),
-        rank_hubs,
-        metrics.clone(),
-        cfg.max_subscribers,
-        shutdown_rx.clone(),
-    ));
+    let fanout = Arc::new(
+        Fanout::new(
+            merged.clone(),
+            rank_hubs,
+            metrics.clone(),
+            cfg.max_subscribers,
+            shutdown_rx.clone(),
+        )
+        .with_snapshots(crate::snapshot::Snapshots::new(
+            cfg.snapshot.mode,
+            snapshot_tables,
+        )),
+    );
     let metrics_task =
         metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
     // Sidecar mode (issue 9): the engine's gRPC server behind the same listener; health then
@@ -353,7 +379,47 @@ async fn start_on_rings(
         health: reporter,
         hubs,
         sink,
+        checkpointer,
     })
+}
+
+/// One snapshot table per ring (none with `--snapshot off`), restored from its checkpoint and
+/// hooked to its ring.
+fn attach_snapshot_tables(
+    cfg: &ServeConfig,
+    shm: &std::path::Path,
+    merged: &Arc<RingHub>,
+    rank_hubs: &[Arc<RingHub>],
+    merged_adopted: bool,
+    rank_adopted: &[bool],
+    metrics: &Metrics,
+) -> Vec<Arc<crate::snapshot::RingTable>> {
+    use crate::snapshot::{RingTable, SnapshotMetrics, SnapshotMode};
+    if cfg.snapshot.mode == SnapshotMode::Off {
+        return Vec::new();
+    }
+    let m = SnapshotMetrics::new(metrics);
+    let mut tables = vec![RingTable::attach(
+        merged,
+        shm,
+        merged_adopted,
+        None,
+        &cfg.snapshot,
+        m.clone(),
+    )];
+    for (r, hub) in rank_hubs.iter().enumerate() {
+        let path = rank_ring_path(shm, r as u32);
+        let adopted = rank_adopted.get(r).copied().unwrap_or(false);
+        tables.push(RingTable::attach(
+            hub,
+            &path,
+            adopted,
+            Some(r as i32),
+            &cfg.snapshot,
+            m.clone(),
+        ));
+    }
+    tables
 }
 
 /// Removes leftovers of this bridge's rings from earlier runs (see

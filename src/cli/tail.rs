@@ -22,17 +22,45 @@ pub(super) struct TailArgs {
     /// Prefix each line with the record's ring metadata (seq, rank, engine seq, latency).
     #[arg(long)]
     meta: bool,
+    /// With `--from 0`: first the snapshot chunks of the checkpoint beside the ring (the live
+    /// block table at its cut N), then the ring from N + 1.
+    #[arg(long)]
+    snapshot: bool,
 }
 
 pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
     let mut reader = RingReader::open(&a.shm)
         .map_err(|e| CliError::Setup(format!("--shm {}: {e}", a.shm.display())))?;
-    let target = if a.from == 0 {
+    let printer = BatchPrinter::new();
+    let mut seen = 0u64;
+    let mut target = if a.from == 0 {
         reader.oldest()
     } else {
         a.from + 1
     };
+    if a.snapshot && a.from == 0 {
+        let chunks = crate::snapshot::from_checkpoint(&a.shm)
+            .map_err(|e| CliError::Failed(format!("--snapshot: {e}")))?;
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        for c in chunks
+            .chunks
+            .iter()
+            .take(a.count.unwrap_or(u64::MAX) as usize)
+        {
+            let json = printer.to_json(c).map_err(CliError::Failed)?;
+            if writeln!(out, "{json}").and_then(|_| out.flush()).is_err() {
+                return Ok(());
+            }
+            seen += 1;
+        }
+        target = chunks.cut + 1;
+    }
     reader.seek(target).map_err(|e| match e {
+        SeekError::TooOld { oldest, newest, .. } if a.snapshot => CliError::Failed(format!(
+            "--snapshot: the ring no longer holds the record after the checkpoint's cut {}              (window [{oldest}, {newest}]); run it again",
+            target - 1
+        )),
         SeekError::TooOld { oldest, newest, .. } => CliError::Failed(format!(
             "--from {}: older than the retained window [{oldest}, {newest}]",
             a.from
@@ -41,9 +69,7 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
             CliError::Failed(format!("--from {}: ahead of newest {newest}", a.from))
         }
     })?;
-    let printer = BatchPrinter::new();
     let mut buf = Vec::new();
-    let mut seen = 0u64;
     let mut gone_reported = false;
     use std::io::Write;
     let stdout = std::io::stdout();

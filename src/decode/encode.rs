@@ -189,7 +189,13 @@ impl Decoder {
             tag::KV_BLOCKS_STORED_PARENT_BLOCK_HASH,
             parent.map(|v| v as u64),
         );
-        // the fields of `stored_fixed_len`
+        write_stored_fixed(w, ev, buf);
+    }
+}
+
+/// The fields of [`stored_fixed_len`] (`KvBlocksStored` 3–12), in field order.
+pub(crate) fn write_stored_fixed(w: &mut W<'_>, ev: &Ev, buf: &[u8]) {
+    {
         w.opt_varint(
             tag::KV_BLOCKS_STORED_TIER,
             opt_i32(ev.tier.map(Tier::value)),
@@ -243,7 +249,7 @@ pub(crate) fn block_len(hash: i64, tok_bytes: usize, shared: usize) -> usize {
 impl Decoder {
     /// Block `i` of `ev` as a `blocks` entry.
     #[inline]
-    fn write_block(&self, buf: &[u8], ev: &Ev, i: u32, w: &mut W<'_>) {
+    pub(crate) fn write_block(&self, buf: &[u8], ev: &Ev, i: u32, w: &mut W<'_>) {
         let b = self.blocks[(ev.blk_start + i) as usize];
         let h = self.hashes[(ev.hash_start + i) as usize];
         w.u8(tag::KV_BLOCKS_STORED_BLOCKS);

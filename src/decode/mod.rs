@@ -152,6 +152,7 @@ mod error;
 mod fields;
 mod filter;
 mod measure;
+mod observe;
 mod pack;
 mod parse;
 mod pb;

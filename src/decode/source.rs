@@ -4,7 +4,7 @@
 use std::cell::RefCell;
 
 use super::{encode_cleared, BatchPlan, Decoder};
-use crate::ring::{RecordHeader, RecordSource};
+use crate::ring::{EventVisitor, RecordHeader, RecordSource};
 
 /// A batch planned by [`Decoder::plan`], ready to be written into ring records (pass 2).
 pub struct PlannedBatch<'a> {
@@ -37,6 +37,9 @@ impl RecordSource for PlannedBatch<'_> {
     }
     fn record_events(&self, i: usize) -> u64 {
         self.dec.record_events(i)
+    }
+    fn visit(&self, v: &mut dyn EventVisitor) {
+        self.dec.visit_plan(self.payload, v);
     }
 }
 
@@ -72,5 +75,8 @@ impl RecordSource for ClearedBatch {
     }
     fn record_events(&self, _i: usize) -> u64 {
         1
+    }
+    fn visit(&self, v: &mut dyn EventVisitor) {
+        v.cleared();
     }
 }

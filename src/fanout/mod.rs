@@ -83,6 +83,8 @@ pub struct Fanout {
     /// Sidecar mode: the engine's load samples, interleaved as `load_only` records for
     /// subscribers that set request field 2 (docs/smg-api.md §3.5; see `crate::proxy`).
     load_feed: std::sync::OnceLock<crate::proxy::LoadFeed>,
+    /// Snapshot tables (issue 10); `None`: the retained window only.
+    snapshots: Option<crate::snapshot::Snapshots>,
 }
 
 impl Fanout {
@@ -102,6 +104,7 @@ impl Fanout {
             active: AtomicUsize::new(0),
             shutdown,
             load_feed: std::sync::OnceLock::new(),
+            snapshots: None,
         }
     }
 
@@ -109,6 +112,17 @@ impl Fanout {
     /// Set once, before serving; later calls are ignored.
     pub fn attach_load_feed(&self, feed: crate::proxy::LoadFeed) {
         let _ = self.load_feed.set(feed);
+    }
+
+    /// Serves snapshots from these tables to subscribers starting from 0 (docs/smg-api.md §6.5).
+    pub fn with_snapshots(mut self, s: crate::snapshot::Snapshots) -> Self {
+        self.snapshots = Some(s);
+        self
+    }
+
+    /// The snapshot tables, if any.
+    pub fn snapshots(&self) -> Option<&crate::snapshot::Snapshots> {
+        self.snapshots.as_ref()
     }
 
     /// Number of open subscriptions.
@@ -126,11 +140,13 @@ impl Fanout {
 
     /// Classifies a request against one view of (O, N) and opens the subscription, or answers
     /// with the status SMG gateways act on (docs/smg-api.md §6.2). Runs before response headers.
+    /// `takes_chunks`: the request set field 2 (`load_records_before_first_batch`).
     pub fn subscribe(
         self: &Arc<Self>,
         path: &'static str,
         start: u64,
         rank_header: Option<&[u8]>,
+        takes_chunks: bool,
     ) -> Result<Subscription, Status> {
         if *self.shutdown.borrow() {
             return Err(self.status(Status::unavailable(
@@ -183,6 +199,29 @@ impl Fanout {
         guard.gauge = true;
 
         let mut reader = hub.reader();
+        // Snapshot (issue 10): chunks numbered up to the cut, then the ring from cut + 1.
+        let snapshot = self
+            .snapshots
+            .as_ref()
+            .and_then(|s| s.for_subscriber(&hub, start, takes_chunks));
+        if let Some(c) = &snapshot {
+            self.metrics.resumes.with_label_values(&["snapshot"]).inc();
+            if reader.seek(c.cut + 1).is_ok() {
+                return Ok(Subscription {
+                    hub,
+                    reader,
+                    next: c.cut + 1,
+                    path,
+                    shutdown: self.shutdown.clone(),
+                    done: false,
+                    last_ingest_ns: 0,
+                    metrics: self.metrics.clone(),
+                    pending: c.chunks.iter().rev().cloned().collect(),
+                    _guard: guard,
+                });
+            }
+            // The ring moved past the cut while the snapshot was built: the window instead.
+        }
         let (o, n) = hub.window();
         // A record found corrupt is the effective start of the window while it is retained.
         let o = hub.readable_from(o).min(n + 1);
@@ -241,6 +280,7 @@ impl Fanout {
             done: false,
             last_ingest_ns: 0,
             metrics: self.metrics.clone(),
+            pending: Vec::new(),
             _guard: guard,
         })
     }
@@ -297,6 +337,8 @@ pub struct Subscription {
     done: bool,
     last_ingest_ns: u64,
     metrics: Arc<Metrics>,
+    /// Snapshot chunks still to send, last first.
+    pending: Vec<Bytes>,
     _guard: ActiveGuard,
 }
 
@@ -316,6 +358,9 @@ impl Subscription {
     }
 
     async fn next_inner(&mut self) -> Result<EncodedBatch, Status> {
+        if let Some(chunk) = self.pending.pop() {
+            return Ok(EncodedBatch(chunk));
+        }
         loop {
             if *self.shutdown.borrow() {
                 return Err(Status::unavailable(

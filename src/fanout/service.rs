@@ -103,8 +103,11 @@ impl PathHandler {
             .get(DP_RANK_HEADER)
             .map(|v| v.as_bytes().to_vec());
         let start = req.get_ref().start_sequence_number;
+        // Request field 2: the client takes snapshot chunks (§6.5) and load records (§3.5).
         let wants_load = req.get_ref().load_records_before_first_batch;
-        let sub = self.fanout.subscribe(self.path, start, rank.as_deref())?;
+        let sub = self
+            .fanout
+            .subscribe(self.path, start, rank.as_deref(), wants_load)?;
         tracing::debug!(path = self.path, start, "subscription opened");
         // Everything a delivery touches is resolved once here and moved through the stream's
         // state: no label look-up, no reference-count traffic per delivered batch.

@@ -35,7 +35,17 @@ use crate::metrics::Metrics;
 use cache::{RecentCache, CACHE_MAX_BYTES};
 pub use gauges::spawn_heartbeat;
 use gauges::RingMetrics;
-pub use source::{ClearCause, RecordHeader, RecordSource, FLAG_SYNTHESIZED};
+pub use source::{
+    ClearCause, EventVisitor, RecordHeader, RecordSource, StoredEvent, FLAG_SYNTHESIZED,
+};
+
+/// Something that must see every published source at the instant it becomes part of the ring:
+/// called under the writer lock, after the source's last record is committed, so that no reader
+/// of the hook's state can observe a ring and a state that disagree (the snapshot table's cut).
+pub trait PublishHook: Send + Sync {
+    /// `src` was published as records ending at `last_seq`, with ring metadata `meta`.
+    fn published(&self, src: &dyn RecordSource, meta: &RecordMeta, last_seq: u64);
+}
 
 /// Ring errors at the service edge.
 #[derive(Debug, Error)]
@@ -79,6 +89,8 @@ pub struct RingHub {
     /// Set when the ring file can no longer be used (truncated under the writer): nothing may
     /// touch its mapping any more.
     failure: std::sync::OnceLock<String>,
+    /// Sees every published source under the writer lock (the snapshot table).
+    hook: std::sync::OnceLock<Arc<dyn PublishHook>>,
 }
 
 /// What one source became.
@@ -164,6 +176,7 @@ impl RingHub {
             notify: tokio::sync::Notify::new(),
             metrics: RingMetrics::new(metrics, label, capacity as u64, label == "merged"),
             failure: std::sync::OnceLock::new(),
+            hook: std::sync::OnceLock::new(),
         });
         Ok((hub, recovered))
     }
@@ -210,6 +223,11 @@ impl RingHub {
             self.oldest.store(st.writer.oldest(), Ordering::Release);
             self.newest.store(seq, Ordering::Release);
         }
+        if out.records > 0 {
+            if let Some(h) = self.hook.get() {
+                h.published(src, &meta, out.last_seq);
+            }
+        }
         drop(st);
         if out.records > 0 {
             self.metrics.records.inc_by(out.records as u64);
@@ -217,6 +235,17 @@ impl RingHub {
             self.notify.notify_waiters();
         }
         Ok(out)
+    }
+
+    /// Installs the hook that sees every published source (once; later calls are ignored).
+    pub fn set_hook(&self, hook: Arc<dyn PublishHook>) {
+        let _ = self.hook.set(hook);
+    }
+
+    /// Runs `f` while holding the writer lock: nothing is published meanwhile.
+    pub fn with_writer_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _st = self.writer.lock();
+        f()
     }
 
     /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale), after

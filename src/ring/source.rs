@@ -32,6 +32,38 @@ pub trait RecordSource {
     fn write_record(&self, i: usize, hdr: &RecordHeader, out: &mut [u8]) -> usize;
     /// Event ids record `i` consumes.
     fn record_events(&self, i: usize) -> u64;
+    /// Shows every event the source's records hold, in order, to `v` (once per source, not per
+    /// record). Used by a [`PublishHook`](super::PublishHook) such as the snapshot table, which
+    /// must follow the same events without decoding the records again. Default: none.
+    fn visit(&self, _v: &mut dyn EventVisitor) {}
+}
+
+/// Receives the events of a published source, after the filter profile, with every field a
+/// store carries (see [`RecordSource::visit`]).
+pub trait EventVisitor {
+    /// A kept `BlockStored` (the whole engine event, even when it was split into parts).
+    fn stored(&mut self, ev: &dyn StoredEvent);
+    /// A kept `BlockRemoved`: its hashes and its `KvCacheTier` value (`None`: unset).
+    fn removed(&mut self, hashes: &[i64], tier: Option<i32>);
+    /// A kept `cleared` (from the engine or synthesized by kvbridge).
+    fn cleared(&mut self);
+}
+
+/// One kept store, readable block by block in its wire encoding.
+pub trait StoredEvent {
+    /// `parent_block_hash` of the first block (`None`: the chain starts at position 0).
+    fn parent(&self) -> Option<i64>;
+    /// Its `KvCacheTier` value (`None`: unset).
+    fn tier(&self) -> Option<i32>;
+    /// Number of blocks.
+    fn blocks(&self) -> usize;
+    /// `block_hash` of block `i`.
+    fn hash(&self, i: usize) -> i64;
+    /// Appends `KvBlocksStored` fields 3–12 (everything but `blocks` and `parent_block_hash`),
+    /// canonically encoded, to `out`.
+    fn write_attrs(&self, out: &mut Vec<u8>);
+    /// Appends block `i` as a `KvBlocksStored.blocks` entry (tag, length, `KvBlock`) to `out`.
+    fn write_block(&self, i: usize, out: &mut Vec<u8>);
 }
 
 /// Record flag: a batch kvbridge synthesized (an in-band clear), not an engine batch.

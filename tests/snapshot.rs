@@ -1,0 +1,648 @@
+//! Snapshots for late joiners (issue 10, docs/smg-api.md §3.5, §6.5), checked with the SMG
+//! gateway's own indexer (crates.io `kv-index` 1.7.0, the version smg 1.13.0 uses).
+//!
+//! Gateway X is fed every batch from the start; gateway Y subscribes late, after the ring
+//! wrapped several times, and gets snapshot chunks and then live batches. Both apply events the
+//! way smg 1.13's `KvEventMonitor` does (`src/worker/kv_event_monitor/apply.rs`: copies per
+//! tier, parent-less stores re-rooted, clears), and must end up holding the same blocks.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use kv_index::salt::{content_hash_with_seed, namespace_seed};
+use kv_index::{PositionalIndexer, SequenceHash, StoredBlock, WorkerBlockMap};
+use kvbridge::proto::common::{
+    kv_cache_event::Data, KvBlocksRemoved, KvBlocksStored, KvEventBatch, SubscribeKvEventsRequest,
+};
+use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
+use kvbridge::sim::{Layout, Rng, SimEvent};
+
+const T: Duration = Duration::from_secs(60);
+
+/// A G2 gateway's index of one worker (smg 1.13 `apply.rs`, reduced to what these streams
+/// carry: device and host tiers, no group/locality/ownership filtering needed after the SMG
+/// profile).
+struct Gateway {
+    idx: PositionalIndexer,
+    map: WorkerBlockMap,
+    /// (device, host) copies of blocks with a host copy or more than one copy.
+    copies: HashMap<SequenceHash, (u8, u8)>,
+    last_seq: u64,
+}
+
+const CAP: u8 = 8;
+
+impl Gateway {
+    fn new() -> Self {
+        let idx = PositionalIndexer::new(64);
+        idx.intern_worker("w").unwrap();
+        Gateway {
+            idx,
+            map: WorkerBlockMap::default(),
+            copies: HashMap::new(),
+            last_seq: 0,
+        }
+    }
+
+    fn host(tier: Option<i32>, level: Option<i32>) -> bool {
+        match tier {
+            Some(2) => true,
+            Some(1) => false,
+            _ => level == Some(1),
+        }
+    }
+
+    fn stored(&mut self, s: &KvBlocksStored) {
+        let host = Self::host(s.tier, s.blocks.first().and_then(|b| b.cache_level));
+        let seed = namespace_seed(s.lora_name.as_deref(), s.cache_salt.as_deref());
+        let blocks: Vec<StoredBlock> = s
+            .blocks
+            .iter()
+            .map(|b| StoredBlock {
+                seq_hash: SequenceHash::from(b.block_hash),
+                content_hash: content_hash_with_seed(&b.token_ids, seed),
+            })
+            .collect();
+        for b in &blocks {
+            let indexed = self.map.contains_key(&b.seq_hash);
+            let e = match self.copies.get_mut(&b.seq_hash) {
+                Some(e) => e,
+                None if !host && !indexed => continue,
+                None => self
+                    .copies
+                    .entry(b.seq_hash)
+                    .or_insert((u8::from(indexed), 0)),
+            };
+            let c = if host { &mut e.1 } else { &mut e.0 };
+            *c = (*c + 1).min(CAP);
+        }
+        let parent = s.parent_block_hash.map(SequenceHash::from);
+        if self
+            .idx
+            .apply_stored(0, &blocks, parent, &mut self.map)
+            .is_err()
+        {
+            self.idx
+                .apply_stored(0, &blocks, None, &mut self.map)
+                .unwrap();
+        }
+    }
+
+    fn removed(&mut self, r: &KvBlocksRemoved) {
+        let host = Self::host(r.tier, r.cache_level);
+        let mut gone = Vec::new();
+        for &h in &r.block_hashes {
+            let h = SequenceHash::from(h);
+            if !host && self.copies.is_empty() {
+                gone.push(h);
+                continue;
+            }
+            match self.copies.get_mut(&h) {
+                Some(e) => {
+                    let c = if host { &mut e.1 } else { &mut e.0 };
+                    if *c == 0 {
+                        continue;
+                    }
+                    *c -= 1;
+                    if *e == (0, 0) {
+                        self.copies.remove(&h);
+                        gone.push(h);
+                    }
+                }
+                None if !host => gone.push(h),
+                None => {}
+            }
+        }
+        self.idx.apply_removed(0, &gone, &mut self.map);
+    }
+
+    fn apply(&mut self, b: &KvEventBatch) {
+        for e in &b.events {
+            match &e.data {
+                Some(Data::Stored(s)) => self.stored(s),
+                Some(Data::Removed(r)) => self.removed(r),
+                Some(Data::Cleared(_)) => {
+                    self.idx.apply_cleared(0, &mut self.map);
+                    self.copies.clear();
+                }
+                None => {}
+            }
+        }
+        self.last_seq = b.sequence_number;
+    }
+
+    /// (position, content hash, sequence hash) of every block.
+    fn blocks(&self) -> BTreeSet<(usize, u64, u64)> {
+        self.idx
+            .debug_blocks()
+            .into_iter()
+            .map(|(_, pos, c, s)| (pos, c.0, s.0))
+            .collect()
+    }
+
+    /// (content hash, sequence hash) of every block: what it holds, wherever it sits.
+    fn held(&self) -> BTreeSet<(u64, u64)> {
+        self.blocks().into_iter().map(|(_, c, s)| (c, s)).collect()
+    }
+}
+
+/// One engine rank's cache as a test workload: chains of blocks, evicted from their tails (as
+/// engines free blocks: kv-index notes that "backends typically evict from the tail"), with
+/// extensions, new chains sharing prefixes, occasional clears.
+struct Churn {
+    rng: Rng,
+    chains: Vec<Vec<u64>>,
+    live: usize,
+    /// Blocks stored on the host tier (removed with their medium).
+    host: HashSet<u64>,
+}
+
+impl Churn {
+    fn new(seed: u64) -> Self {
+        Churn {
+            rng: Rng::new(seed),
+            chains: Vec::new(),
+            live: 0,
+            host: HashSet::new(),
+        }
+    }
+
+    fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n * 16)
+            .map(|_| self.rng.range(1, 150_000) as u32)
+            .collect()
+    }
+
+    fn store(&mut self, parent: Option<u64>, n: usize) -> (SimEvent, Vec<u64>) {
+        let hashes: Vec<u64> = (0..n).map(|_| self.rng.next_u64()).collect();
+        let tokens = self.tokens(n);
+        self.live += n;
+        let host = self.rng.chance(0.1);
+        if host {
+            self.host.extend(hashes.iter().copied());
+        }
+        (
+            SimEvent::Stored {
+                hashes: hashes.clone(),
+                parent,
+                tokens,
+                block_size: 16,
+                medium: Some(if host { "CPU" } else { "GPU" }.into()),
+            },
+            hashes,
+        )
+    }
+
+    /// The engine drops its whole cache (`AllBlocksCleared`).
+    fn clear(&mut self) -> Vec<SimEvent> {
+        self.chains.clear();
+        self.host.clear();
+        self.live = 0;
+        vec![SimEvent::Cleared]
+    }
+
+    fn step(&mut self, max_live: usize) -> Vec<SimEvent> {
+        let mut ev = Vec::new();
+        // a new request: a fresh chain, or one branching off a live chain's prefix
+        if self.rng.chance(0.5) || self.chains.is_empty() {
+            let n = self.rng.range(1, 40) as usize;
+            let (parent, mut prefix) = if !self.chains.is_empty() && self.rng.chance(0.5) {
+                let c = &self.chains[self.rng.range(0, self.chains.len() as u64 - 1) as usize];
+                let cut = self.rng.range(1, c.len() as u64) as usize;
+                (Some(c[cut - 1]), c[..cut].to_vec())
+            } else {
+                (None, Vec::new())
+            };
+            let (e, hashes) = self.store(parent, n);
+            prefix.extend(hashes);
+            self.chains.push(prefix);
+            ev.push(e);
+        }
+        // decode steps extend chains one block at a time
+        for _ in 0..self.rng.range(0, 3) {
+            if self.chains.is_empty() {
+                break;
+            }
+            let i = self.rng.range(0, self.chains.len() as u64 - 1) as usize;
+            let last = *self.chains[i].last().unwrap();
+            let (e, hashes) = self.store(Some(last), 1);
+            self.chains[i].extend(hashes);
+            ev.push(e);
+        }
+        // evict from tails until under the bound (a shared prefix is removed once: the chain
+        // that still holds it keeps it; a chain is dropped when it is empty)
+        while !self.chains.is_empty()
+            && (self.live > max_live || (self.rng.chance(0.3) && self.live > 8))
+        {
+            let i = self.rng.range(0, self.chains.len() as u64 - 1) as usize;
+            let take = (self.rng.range(1, 5) as usize).min(self.chains[i].len());
+            let mut gone = Vec::new();
+            for _ in 0..take {
+                let h = self.chains[i].pop().unwrap();
+                if !self.chains.iter().any(|c| c.contains(&h)) {
+                    gone.push(h);
+                    self.live -= 1;
+                }
+            }
+            if self.chains[i].is_empty() {
+                self.chains.swap_remove(i);
+            }
+            let (on_host, on_gpu): (Vec<u64>, Vec<u64>) =
+                gone.into_iter().partition(|h| self.host.remove(h));
+            for (hashes, medium) in [(on_gpu, "GPU"), (on_host, "CPU")] {
+                if !hashes.is_empty() {
+                    ev.push(SimEvent::Removed {
+                        hashes,
+                        medium: Some(medium.into()),
+                    });
+                }
+            }
+            if self.live <= max_live {
+                break;
+            }
+        }
+        if ev.is_empty() {
+            let (e, hashes) = self.store(None, 1);
+            self.chains.push(hashes);
+            ev.push(e);
+        }
+        ev
+    }
+}
+
+/// Asserts two block sets are equal, reporting sizes and a few differences (not whole sets).
+fn same<T: Ord + std::fmt::Debug + Clone>(a: &BTreeSet<T>, b: &BTreeSet<T>, what: &str) {
+    if a != b {
+        let only_a: Vec<_> = a.difference(b).take(5).cloned().collect();
+        let only_b: Vec<_> = b.difference(a).take(5).cloned().collect();
+        panic!(
+            "{what}: {} vs {} blocks; {} only in the first, e.g. {only_a:?}; {} only in the second, e.g. {only_b:?}",
+            a.len(),
+            b.len(),
+            a.difference(b).count(),
+            b.difference(a).count()
+        );
+    }
+}
+
+fn rank_args(engines: &[&Engine]) -> Vec<String> {
+    let mut a = Vec::new();
+    for e in engines {
+        a.extend(["--zmq".to_string(), e.endpoint.clone()]);
+    }
+    for e in engines {
+        a.extend(["--replay".to_string(), e.replay.clone()]);
+    }
+    a.extend(
+        [
+            "--seq-base",
+            "1",
+            "--ring-size",
+            "1MiB",
+            "--snapshot-chunk-size",
+            "16KiB",
+        ]
+        .map(String::from),
+    );
+    a
+}
+
+async fn sub(url: &str, start: u64, takes_chunks: bool) -> tonic::Streaming<KvEventBatch> {
+    let mut c = VllmEngineClient::connect(url.to_string()).await.unwrap();
+    c.subscribe_kv_events(SubscribeKvEventsRequest {
+        start_sequence_number: start,
+        load_records_before_first_batch: takes_chunks,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+/// Gateway X: fed every batch of a subscription from 0, on its own task.
+fn follow(mut s: tonic::Streaming<KvEventBatch>) -> Arc<Mutex<Gateway>> {
+    let g = Arc::new(Mutex::new(Gateway::new()));
+    let g2 = g.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(b)) = s.message().await {
+            g2.lock().unwrap().apply(&b);
+        }
+    });
+    g
+}
+
+/// Waits until `g` applied batch `seq`.
+async fn wait_seq(g: &Arc<Mutex<Gateway>>, seq: u64) {
+    let deadline = tokio::time::Instant::now() + T;
+    while g.lock().unwrap().last_seq < seq {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "gateway stuck at {} < {seq}",
+            g.lock().unwrap().last_seq
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The bridge's newest sequence number, read from its ring file.
+fn newest(ring: &std::path::Path) -> u64 {
+    kvbridge_shm::RingReader::open(ring).unwrap().newest()
+}
+
+/// Publishes `batches` steps on each engine, then waits until the ring stopped moving (every
+/// batch ingested) and returns its newest number.
+async fn churn(
+    engines: &[&Engine],
+    work: &mut [Churn],
+    batches: usize,
+    ring: &std::path::Path,
+    x: &Arc<Mutex<Gateway>>,
+) -> u64 {
+    for i in 0..batches {
+        for (r, e) in engines.iter().enumerate() {
+            let ev = work[r].step(1500);
+            e.publish(Layout::Vllm0102, ev, r as u32);
+        }
+        if i % 200 == 199 {
+            // X must never be lapped: let it catch up now and then
+            wait_seq(x, newest(ring)).await;
+        }
+    }
+    // every engine publishes one last marker store; when both are in the ring, all is
+    let mut markers = Vec::new();
+    for (r, e) in engines.iter().enumerate() {
+        let (ev, h) = work[r].store(None, 1);
+        work[r].chains.push(h.clone());
+        markers.push(h[0]);
+        e.publish(Layout::Vllm0102, vec![ev], r as u32);
+    }
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let mut r = kvbridge_shm::RingReader::open(ring).unwrap();
+        let n = r.newest();
+        let from = n.saturating_sub(1000).max(r.oldest());
+        let _ = r.seek(from);
+        let mut found = HashSet::new();
+        let mut buf = Vec::new();
+        loop {
+            let v = match r.next() {
+                kvbridge_shm::ReadOutcome::Record(v) => v,
+                kvbridge_shm::ReadOutcome::Lapped { .. } => continue,
+                _ => break,
+            };
+            if v.copy_to(&mut buf) {
+                let b: KvEventBatch = prost::Message::decode(buf.as_slice()).unwrap();
+                found.extend(stored_hashes(&[b]));
+            }
+        }
+        if markers.iter().all(|m| found.contains(m)) {
+            return n.max(newest(ring));
+        }
+        if std::time::Instant::now() > deadline {
+            let mut log = String::new();
+            for e in std::fs::read_dir(ring.parent().unwrap()).unwrap().flatten() {
+                if e.file_name().to_string_lossy().starts_with("bridge-") {
+                    log += &std::fs::read_to_string(e.path()).unwrap_or_default();
+                }
+            }
+            let tail: String = log
+                .chars()
+                .rev()
+                .take(3000)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            panic!(
+                "markers {markers:?} never arrived (newest {n}, found {} hashes); bridge log:\n{tail}",
+                found.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Reads a late subscription: the snapshot chunks (checked: numbered up to the cut, chunk 0
+/// starting with `cleared`, `event_id` 0, contiguous), then live batches up to `until`.
+/// Returns the gateway and the number of chunks.
+async fn late(url: &str, until: u64, takes_chunks: bool) -> (Gateway, usize, u64) {
+    let mut s = sub(url, 0, takes_chunks).await;
+    let mut g = Gateway::new();
+    let mut chunks = 0;
+    let mut unknown = 0;
+    let mut prev = None;
+    let mut sent = HashSet::new();
+    while g.last_seq < until {
+        let b = tokio::time::timeout(T, s.message())
+            .await
+            .expect("late subscriber timed out")
+            .unwrap()
+            .unwrap();
+        if let Some(p) = prev {
+            assert_eq!(b.sequence_number, p + 1, "hole or duplicate");
+        }
+        prev = Some(b.sequence_number);
+        if let Some(c) = &b.snapshot {
+            // parents first: in a complete snapshot of this workload (which evicts from the
+            // tails) every store's parent was sent before it
+            for e in &b.events {
+                if let Some(Data::Stored(st)) = &e.data {
+                    if let (Some(p), 0) = (st.parent_block_hash, c.unknown_before) {
+                        assert!(sent.contains(&p), "parent {p} not sent before its child");
+                    }
+                    sent.extend(st.blocks.iter().map(|b| b.block_hash));
+                }
+            }
+            assert_eq!(c.index as usize, chunks, "chunks in order");
+            if c.index == 0 {
+                assert!(
+                    matches!(b.events[0].data, Some(Data::Cleared(ref x)) if x.ownership.is_none()),
+                    "chunk 0 starts with cleared"
+                );
+            }
+            assert!(b.events.iter().all(|e| e.event_id == 0), "event_id 0");
+            assert!(prost::Message::encoded_len(&b) <= 16 * 1024);
+            unknown = c.unknown_before;
+            chunks += 1;
+        }
+        g.apply(&b);
+    }
+    assert_eq!(g.last_seq, until);
+    (g, chunks, unknown)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_gateway_gets_the_same_blocks_as_one_that_saw_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let (e0, e1) = (Engine::start(0), Engine::start(1));
+    let bridge = Bridge::start(dir.path(), &ring, &rank_args(&[&e0, &e1]));
+    std::thread::sleep(Duration::from_millis(400));
+    let x = follow(sub(&bridge.url(), 0, true).await);
+    let mut work = [Churn::new(1), Churn::new(2)];
+    let engines = [&e0, &e1];
+    let mut last_oldest = 0;
+    for cut in 0..3 {
+        if cut == 1 {
+            // rank 0's engine clears its cache; rank 1's engine restarts (the bridge signals a
+            // clear in band); both go on storing
+            e0.publish(Layout::Vllm0102, work[0].clear(), 0);
+            e1.with(|p| p.restart());
+            work[1] = Churn::new(99);
+        }
+        let n = churn(&engines, &mut work, 1500, &ring, &x).await;
+        wait_seq(&x, n).await;
+        let r = kvbridge_shm::RingReader::open(&ring).unwrap();
+        assert!(
+            r.oldest() > last_oldest + 1000,
+            "the ring wrapped since the last cut ({} → {})",
+            last_oldest,
+            r.oldest()
+        );
+        last_oldest = r.oldest();
+        let (y, chunks, unknown) = late(&bridge.url(), n, true).await;
+        assert!(chunks >= 2, "a snapshot of several chunks (got {chunks})");
+        assert_eq!(unknown, 0, "complete");
+        let xb = x.lock().unwrap().blocks();
+        assert!(xb.len() > 500, "a real state ({} blocks)", xb.len());
+        same(
+            &y.blocks(),
+            &xb,
+            &format!("cut {cut}: Y (late, snapshot + live) vs X (everything)"),
+        );
+
+        // The window alone (a client that does not take chunks) misses what was stored
+        // before the ring's oldest record.
+        let (z, zchunks, _) = late(&bridge.url(), n, false).await;
+        assert_eq!(zchunks, 0);
+        assert!(
+            z.held() != x.lock().unwrap().held(),
+            "the window alone differs"
+        );
+    }
+
+    // Disconnect mid-snapshot, resubscribe from 0: the whole state again.
+    let n = churn(&engines, &mut work, 200, &ring, &x).await;
+    wait_seq(&x, n).await;
+    let mut s = sub(&bridge.url(), 0, true).await;
+    let first = s.message().await.unwrap().unwrap();
+    assert_eq!(first.snapshot.as_ref().unwrap().index, 0);
+    drop(s);
+    let (y, chunks, _) = late(&bridge.url(), n, true).await;
+    assert!(chunks >= 2);
+    same(
+        &y.blocks(),
+        &x.lock().unwrap().blocks(),
+        "resumed: whole state",
+    );
+    assert!(bridge.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let e0 = Engine::start(0);
+    let mut bridge = Bridge::start(dir.path(), &ring, &rank_args(&[&e0]));
+    std::thread::sleep(Duration::from_millis(400));
+    let x = follow(sub(&bridge.url(), 0, true).await);
+    let mut work = [Churn::new(7)];
+    let n = churn(&[&e0], &mut work, 2500, &ring, &x).await;
+    wait_seq(&x, n).await;
+    let (y, chunks, _) = late(&bridge.url(), n, true).await;
+    assert!(chunks >= 2);
+    same(
+        &y.blocks(),
+        &x.lock().unwrap().blocks(),
+        "before SIGKILL: Y vs X",
+    );
+    let snap = kvbridge::snapshot::checkpoint_path(&ring);
+    let deadline = std::time::Instant::now() + T;
+    while !snap.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint written"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SIGKILL: no shutdown path; the checkpoint is whatever the last periodic write left.
+    bridge.child.kill().unwrap();
+    bridge.child.wait().unwrap();
+    assert!(snap.exists(), "a checkpoint beside the ring");
+    let (grpc, args) = (bridge.grpc, bridge.args.clone());
+    drop(bridge);
+    let bridge = Bridge::start_args(dir.path(), grpc, &ring, args.clone());
+    let (y, chunks, unknown) = late(&bridge.url(), n, true).await;
+    assert!(chunks >= 2);
+    assert_eq!(unknown, 0, "checkpoint + ring catch-up: complete");
+    same(
+        &y.blocks(),
+        &x.lock().unwrap().blocks(),
+        "after SIGKILL: Y vs X",
+    );
+
+    // A local reader gets the same state from the checkpoint (`tail --snapshot`).
+    let out = std::process::Command::new(bin())
+        .args([
+            "tail",
+            "--shm",
+            ring.to_str().unwrap(),
+            "--snapshot",
+            "--count",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(line.contains("\"snapshot\""), "{line}");
+
+    // SIGTERM writes a last checkpoint; damage it: the restarted bridge must not trust it.
+    assert!(bridge.stop().success());
+    let mut bytes = std::fs::read(&snap).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&snap, &bytes).unwrap();
+    let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
+    let (_, _, unknown) = late(&bridge.url(), n, true).await;
+    assert!(
+        unknown > 0,
+        "a damaged checkpoint gives an incomplete-marked snapshot"
+    );
+    assert!(
+        bridge.log().contains("damaged checkpoint"),
+        "{}",
+        bridge.log()
+    );
+    assert!(bridge.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_off_serves_the_window_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let e0 = Engine::start(0);
+    let mut args = rank_args(&[&e0]);
+    args.extend(["--snapshot".to_string(), "off".to_string()]);
+    let bridge = Bridge::start(dir.path(), &ring, &args);
+    std::thread::sleep(Duration::from_millis(400));
+    let x = follow(sub(&bridge.url(), 0, true).await);
+    let mut work = [Churn::new(5)];
+    let n = churn(&[&e0], &mut work, 2500, &ring, &x).await;
+    wait_seq(&x, n).await;
+    let (y, chunks, _) = late(&bridge.url(), n, true).await;
+    assert_eq!(chunks, 0, "--snapshot off: no chunks");
+    assert!(
+        y.held() != x.lock().unwrap().held(),
+        "the window alone differs"
+    );
+    assert!(!kvbridge::snapshot::checkpoint_path(&ring).exists());
+    assert!(bridge.stop().success());
+}
