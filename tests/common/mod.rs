@@ -470,3 +470,58 @@ pub fn wait_metrics(addr: SocketAddr, timeout: Duration, pred: impl Fn(&str) -> 
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The repository root (the root crate's manifest directory).
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Cargo's target dir, from the path of the binary under test (`<target>/<profile>/kvbridge`):
+/// the test process does not get `CARGO_TARGET_DIR` unless the caller exported it.
+pub fn target_dir() -> PathBuf {
+    Path::new(bin())
+        .parent()
+        .and_then(Path::parent)
+        .expect("binary under <target>/<profile>/")
+        .to_path_buf()
+}
+
+/// A finished child's stdout and stderr, for assertion messages.
+pub fn show(o: &std::process::Output) -> String {
+    format!(
+        "--- stdout\n{}--- stderr\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs one of the repository's pinned, idempotent set-up scripts (`scripts/python-venv.sh`,
+/// `scripts/smg-venv.sh`, `scripts/nats-server.sh`, …) with `CARGO_TARGET_DIR` pointing at this
+/// build's target directory plus `env`, and returns the existing path it prints on its last line.
+/// Fails, never skips, when the script cannot provide it: `needs` says what it requires.
+pub fn setup_script(script: &str, env: &[(&str, PathBuf)], needs: &str) -> PathBuf {
+    let out = Command::new("bash")
+        .arg(repo().join("scripts").join(script))
+        .env("CARGO_TARGET_DIR", target_dir())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run bash scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed ({needs} required)\n{}",
+        show(&out)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let path = PathBuf::from(
+        stdout
+            .lines()
+            .last()
+            .unwrap_or_else(|| panic!("scripts/{script} printed no path"))
+            .trim(),
+    );
+    assert!(
+        path.exists(),
+        "scripts/{script} printed {path:?}, which does not exist"
+    );
+    path
+}
