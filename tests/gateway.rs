@@ -14,6 +14,11 @@
 //!   the store applied;
 //! - the gateway's view of a worker's load (`smg_engine_running_requests`) follows the engine's
 //!   `GetLoads` through the sidecar's `load_only` records, which it counts as applied.
+//! - a gateway started only after a worker's ring wrapped past the store of a prompt's blocks
+//!   (1 MiB rings, filler traffic) learns them from that worker's snapshot chunks (its own
+//!   `smg_kv_event_blocks_total{op="snapshot"}`) and routes the prompt there, although the
+//!   other worker holds the prompt's first two blocks in its window (with `--snapshot off` on
+//!   the holder the prompt goes to the other worker).
 //!
 //! FAILS (never skips) when the wheel cannot be installed.
 
@@ -25,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, layout, metric, scrape, wait_metrics, Bridge, Engine};
+use common::{free_port, layout, metric, store, Bridge, Engine};
 use kvbridge::sim::SimEvent;
 
 const T: Duration = Duration::from_secs(60);
@@ -139,7 +144,7 @@ fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
     (status, out)
 }
 
-/// The gateway's Prometheus page.
+/// A Prometheus page (the gateway's or kvbridge's; empty while nothing listens yet).
 fn get_metrics(port: u16) -> String {
     let Ok(mut c) = TcpStream::connect(("127.0.0.1", port)) else {
         return String::new();
@@ -195,7 +200,16 @@ struct Worker {
     _engine: Proc,
 }
 
-fn worker(name: &'static str, dir: &Path, py: &Path, tok: &Path, gen_log: &Path) -> Worker {
+/// Engine `name` (its gRPC server) and its kvbridge sidecar (`extra`: more `serve` flags), fed
+/// by its own simulated publisher.
+fn worker(
+    name: &'static str,
+    dir: &Path,
+    py: &Path,
+    tok: &Path,
+    gen_log: &Path,
+    extra: &[&str],
+) -> Worker {
     let port = free_port();
     let engine = spawn(
         if name == "A" { "engine-a" } else { "engine-b" },
@@ -218,6 +232,7 @@ fn worker(name: &'static str, dir: &Path, py: &Path, tok: &Path, gen_log: &Path)
         std::thread::sleep(Duration::from_millis(50));
     }
     let zmq = Engine::start(0);
+    let engine_grpc = format!("127.0.0.1:{port}");
     let args: Vec<String> = [
         "--zmq",
         &zmq.endpoint,
@@ -226,16 +241,29 @@ fn worker(name: &'static str, dir: &Path, py: &Path, tok: &Path, gen_log: &Path)
         "--seq-base",
         "1",
         "--engine-grpc",
-        &format!("127.0.0.1:{port}"),
+        &engine_grpc,
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
     .collect();
     let (bridge, metrics) =
         Bridge::start_with_metrics(dir, &dir.join(format!("ring-{name}")), &args);
-    wait_metrics(metrics, T, |p| {
-        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) >= 1.0
-    });
+    // `serve` opens gRPC before /metrics: poll without failing on a refused connection.
+    let deadline = Instant::now() + T;
+    while metric(
+        &get_metrics(metrics.port()),
+        "kvbridge_upstream_connected",
+        &[("rank", "0")],
+    ) < 1.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "kvbridge {name} never connected upstream:\n{}",
+            bridge.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Worker {
         name,
         zmq,
@@ -245,103 +273,195 @@ fn worker(name: &'static str, dir: &Path, py: &Path, tok: &Path, gen_log: &Path)
     }
 }
 
-#[test]
-fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
+/// What every test starts with: the `smg` command, a tokenizer, the engines' Generate log.
+struct Setup {
+    smg: PathBuf,
+    py: PathBuf,
+    dir: tempfile::TempDir,
+    tok: PathBuf,
+    gen_log: PathBuf,
+}
+
+fn setup() -> Setup {
     let smg = smg_command();
     let py = smg.with_file_name("python");
     let dir = tempfile::tempdir().unwrap();
     let tok = dir.path().join("tokenizer");
     write_tokenizer(&tok);
     let gen_log = dir.path().join("generate.jsonl");
-    let a = worker("A", dir.path(), &py, &tok, &gen_log);
-    let b = worker("B", dir.path(), &py, &tok, &gen_log);
+    Setup {
+        smg,
+        py,
+        dir,
+        tok,
+        gen_log,
+    }
+}
 
-    let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let prom = free_port();
-    let gateway = spawn(
-        "smg",
-        dir.path(),
-        Command::new(&smg).args([
-            "launch",
-            "--worker-urls",
-            &format!("grpc://{}", a.bridge.grpc),
-            &format!("grpc://{}", b.bridge.grpc),
-            "--policy",
-            "cache_aware",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &http.port().to_string(),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &prom.to_string(),
-            "--block-size",
-            &BLOCK.to_string(),
-            // The gateway's own GetLoads polling once an hour: what it learns about load
-            // during the test comes from kvbridge's load records.
-            "--load-monitor-interval",
-            "3600",
-        ]),
-    );
-    let fail = |what: &str| -> ! {
+impl Setup {
+    fn worker(&self, name: &'static str, extra: &[&str]) -> Worker {
+        worker(
+            name,
+            self.dir.path(),
+            &self.py,
+            &self.tok,
+            &self.gen_log,
+            extra,
+        )
+    }
+}
+
+/// The real gateway, `cache_aware`, over the two workers' sidecar URLs.
+struct Gateway<'a> {
+    proc: Proc,
+    http: SocketAddr,
+    prom: u16,
+    workers: [&'a Worker; 2],
+}
+
+impl<'a> Gateway<'a> {
+    fn launch(s: &Setup, workers: [&'a Worker; 2]) -> Gateway<'a> {
+        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let prom = free_port();
+        let proc = spawn(
+            "smg",
+            s.dir.path(),
+            // The venv's python runs the `smg` script (its shebang names the path the venv was
+            // created at, which a copied target directory no longer has).
+            Command::new(&s.py).arg(&s.smg).args([
+                "launch",
+                "--worker-urls",
+                &format!("grpc://{}", workers[0].bridge.grpc),
+                &format!("grpc://{}", workers[1].bridge.grpc),
+                "--policy",
+                "cache_aware",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &http.port().to_string(),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                &prom.to_string(),
+                "--block-size",
+                &BLOCK.to_string(),
+                // The gateway's own GetLoads polling once an hour: what it learns about load
+                // during the test comes from kvbridge's load records.
+                "--load-monitor-interval",
+                "3600",
+            ]),
+        );
+        Gateway {
+            proc,
+            http,
+            prom,
+            workers,
+        }
+    }
+
+    /// Panics with `what` and every log.
+    fn fail(&self, what: &str) -> ! {
+        let [a, b] = self.workers;
         panic!(
-            "{what}\n--- smg ---\n{}\n--- kvbridge A ---\n{}\n--- kvbridge B ---\n{}",
-            gateway.log(),
+            "{what}\n--- smg ---\n{}\n--- kvbridge {} ---\n{}\n--- kvbridge {} ---\n{}",
+            self.proc.log(),
+            a.name,
             a.bridge.log(),
+            b.name,
             b.bridge.log()
         )
-    };
+    }
 
-    // The gateway subscribes to KV events on each worker URL, i.e. on kvbridge.
-    let sub_path = "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents";
-    for w in [&a, &b] {
+    /// Polls the gateway's own metric `name{labels}` until it reaches `want`.
+    fn wait_metric(&self, name: &str, labels: &[(&str, &str)], want: f64, what: &str) {
         let deadline = Instant::now() + T;
-        while metric(
-            &scrape(w.metrics),
-            "kvbridge_subscribers",
-            &[("path", sub_path)],
-        ) < 1.0
-        {
+        while metric(&get_metrics(self.prom), name, labels) < want {
             if Instant::now() > deadline {
-                fail(&format!(
-                    "the gateway never subscribed to worker {}",
-                    w.name
+                self.fail(what);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The gateway subscribes to KV events on each worker URL, i.e. on kvbridge; then a short
+    /// prompt (under one block) passes through and back with the engine's token ("w7").
+    fn wait_ready(&self, gen_log: &Path) {
+        let sub_path = "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents";
+        for w in self.workers {
+            let deadline = Instant::now() + T;
+            while metric(
+                &get_metrics(w.metrics.port()),
+                "kvbridge_subscribers",
+                &[("path", sub_path)],
+            ) < 1.0
+            {
+                if Instant::now() > deadline {
+                    self.fail(&format!(
+                        "the gateway never subscribed to worker {}",
+                        w.name
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        let warm: Vec<u32> = (900..905).collect();
+        let deadline = Instant::now() + T;
+        loop {
+            let (status, body) = completion(self.http, &warm);
+            if status == 200 {
+                assert!(
+                    body.contains("\"w7\""),
+                    "the engine's answer came back: {body}"
+                );
+                break;
+            }
+            if Instant::now() > deadline {
+                self.fail(&format!(
+                    "no completion through the sidecars: {status} {body}"
                 ));
             }
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(200));
         }
+        assert!(
+            engine_of(gen_log, &warm).is_some(),
+            "a Generate reached an engine"
+        );
     }
 
-    // Requests pass through and back: a short prompt (under one block) until the gateway
-    // answers 200 with the engine's token ("w7").
-    let warm: Vec<u32> = (900..905).collect();
-    let deadline = Instant::now() + T;
-    loop {
-        let (status, body) = completion(http, &warm);
-        if status == 200 {
-            assert!(
-                body.contains("\"w7\""),
-                "the engine's answer came back: {body}"
-            );
-            break;
+    /// Sends `prompt`; the name of the engine that received it.
+    fn route(&self, gen_log: &Path, prompt: &[u32]) -> String {
+        let (status, body) = completion(self.http, prompt);
+        if status != 200 {
+            self.fail(&format!("{prompt:?}: {status} {body}"));
         }
-        if Instant::now() > deadline {
-            fail(&format!(
-                "no completion through the sidecars: {status} {body}"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(200));
+        engine_of(gen_log, prompt).unwrap_or_default()
     }
-    assert!(
-        engine_of(&gen_log, &warm).is_some(),
-        "a Generate reached an engine"
-    );
+}
+
+/// The prompt `k`: four blocks of its own tokens.
+fn blocks_of_prompt(k: u32) -> Vec<u32> {
+    (0..(4 * BLOCK) as u32).map(|i| 100 + 150 * k + i).collect()
+}
+
+/// A block-aligned prompt plus a tail under one block (the gateway matches whole blocks).
+fn with_tail(tokens: &[u32]) -> Vec<u32> {
+    let mut prompt = tokens.to_vec();
+    prompt.extend([990, 991, 992]);
+    prompt
+}
+
+#[test]
+fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
+    let s = setup();
+    let a = s.worker("A", &[]);
+    let b = s.worker("B", &[]);
+    let gw = Gateway::launch(&s, [&a, &b]);
+    gw.wait_ready(&s.gen_log);
 
     // Four prompts of four blocks each, stored on B, A, B, A: each goes to its holder.
     let mut applied = [0.0f64; 2];
     for k in 0..4u32 {
-        let tokens: Vec<u32> = (0..(4 * BLOCK) as u32).map(|i| 100 + 150 * k + i).collect();
+        let tokens = blocks_of_prompt(k);
         let holder = if k % 2 == 0 { &b } else { &a };
         let idx = usize::from(k % 2 == 0);
         holder
@@ -350,32 +470,17 @@ fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
         // Applied by the gateway, by its own count, for the holder's worker URL (the
         // gateway's KV subscription is served by the holder's kvbridge).
         applied[idx] += 1.0;
-        let want = applied[idx];
         let worker_url = format!("grpc://{}", holder.bridge.grpc);
-        let deadline = Instant::now() + T;
-        while metric(
-            &get_metrics(prom),
+        gw.wait_metric(
             "smg_kv_event_batches_total",
             &[("worker", &worker_url), ("disposition", "applied")],
-        ) < want
-        {
-            if Instant::now() > deadline {
-                fail(&format!(
-                    "the gateway never applied the store of prompt {k}"
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            applied[idx],
+            &format!("the gateway never applied the store of prompt {k}"),
+        );
         // Routed to the holder.
-        let mut prompt = tokens.clone();
-        prompt.extend([990, 991, 992]);
-        let (status, body) = completion(http, &prompt);
-        if status != 200 {
-            fail(&format!("prompt {k}: {status} {body}"));
-        }
-        let got = engine_of(&gen_log, &prompt).unwrap_or_default();
+        let got = gw.route(&s.gen_log, &with_tail(&tokens));
         if got != holder.name {
-            fail(&format!(
+            gw.fail(&format!(
                 "prompt {k} stored on {} was routed to {got:?}",
                 holder.name
             ));
@@ -399,17 +504,17 @@ fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
             &[("worker", &b_url), ("mode", "poll")],
         )
     };
-    let before = get_metrics(prom);
+    let before = get_metrics(gw.prom);
     assert_eq!(gauge(&before), 0.0, "B idle before");
-    std::fs::write(gen_log.with_extension("jsonl.running-B"), "37").unwrap();
+    std::fs::write(s.gen_log.with_extension("jsonl.running-B"), "37").unwrap();
     let changed = Instant::now();
     let page = loop {
-        let page = get_metrics(prom);
+        let page = get_metrics(gw.prom);
         if gauge(&page) == 37.0 {
             break page;
         }
         if changed.elapsed() > T {
-            fail("the gateway's view of B's load never followed the engine's");
+            gw.fail("the gateway's view of B's load never followed the engine's");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -430,7 +535,108 @@ fn smg_gateway_routes_through_sidecars_to_the_worker_holding_the_prefix() {
         polls(&before),
         "not from the gateway's own GetLoads poll"
     );
-    drop(gateway);
+    drop(gw);
+    a.bridge.stop();
+    b.bridge.stop();
+}
+
+/// kvbridge's ring window (oldest, newest), from its metrics.
+fn window(w: &Worker) -> (f64, f64) {
+    let page = get_metrics(w.metrics.port());
+    (
+        metric(&page, "kvbridge_ring_oldest_seq", &[]),
+        metric(&page, "kvbridge_ring_newest_seq", &[]),
+    )
+}
+
+#[test]
+fn smg_gateway_started_after_the_ring_wrapped_routes_to_the_worker_holding_the_prefix() {
+    let s = setup();
+    // The smallest ring kvbridge accepts, so that a few hundred batches wrap it.
+    let a = s.worker("A", &["--ring-size", "1MiB"]);
+    let b = s.worker("B", &["--ring-size", "1MiB"]);
+
+    // B's engine stores the whole prompt (four blocks); A's engine its first two blocks, so
+    // that a gateway that did not learn B's store routes the prompt to A (a match above the
+    // cache_aware threshold there, nothing on B), never to B by a tie.
+    let tokens = blocks_of_prompt(0);
+    b.zmq.publish(layout(0), vec![store_of(&tokens, 1)], 0);
+    let deadline = Instant::now() + T;
+    while window(&b).1 < 1.0 {
+        assert!(Instant::now() < deadline, "B never ingested the store");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stored_at = window(&b).1;
+
+    // Unrelated traffic into B until its ring no longer holds the store: each batch stores
+    // eight fresh 16-block chains and removes them again (B's block table stays one prompt).
+    let mut seed = 100;
+    let deadline = Instant::now() + T;
+    while window(&b).0 <= stored_at {
+        assert!(
+            Instant::now() < deadline,
+            "B's ring never wrapped past the store at {stored_at}: {:?}",
+            window(&b)
+        );
+        for _ in 0..20 {
+            let stores: Vec<SimEvent> = (0..8)
+                .map(|_| {
+                    seed += 1;
+                    store(seed, 16, None)
+                })
+                .collect();
+            let removes = stores.iter().map(|e| match e {
+                SimEvent::Stored { hashes, .. } => SimEvent::Removed {
+                    hashes: hashes.clone(),
+                    medium: Some("GPU".into()),
+                },
+                _ => unreachable!(),
+            });
+            let batch = stores.clone().into_iter().chain(removes).collect();
+            b.zmq.publish(layout(0), batch, 0);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (oldest, newest) = window(&b);
+    println!("B's ring wrapped: the store is #{stored_at}, the window {oldest}..={newest}");
+
+    // A holds the first two blocks, in its window.
+    a.zmq
+        .publish(layout(0), vec![store_of(&tokens[..2 * BLOCK], 2)], 0);
+    let deadline = Instant::now() + T;
+    while window(&a).1 < 1.0 {
+        assert!(Instant::now() < deadline, "A never ingested its store");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // Only now the gateway.
+    let gw = Gateway::launch(&s, [&a, &b]);
+    gw.wait_ready(&s.gen_log);
+    // The gateway's own counts: B's four blocks arrived as a snapshot (B's ring no longer
+    // holds their store), A's store as an ordinary batch from A's window.
+    let b_url = format!("grpc://{}", b.bridge.grpc);
+    gw.wait_metric(
+        "smg_kv_event_blocks_total",
+        &[("worker", &b_url), ("op", "snapshot")],
+        4.0,
+        "the gateway never applied B's snapshot of the four blocks",
+    );
+    gw.wait_metric(
+        "smg_kv_event_batches_total",
+        &[
+            ("worker", &format!("grpc://{}", a.bridge.grpc)),
+            ("disposition", "applied"),
+        ],
+        1.0,
+        "the gateway never applied A's store",
+    );
+    let got = gw.route(&s.gen_log, &with_tail(&tokens));
+    if got != "B" {
+        gw.fail(&format!(
+            "the prompt stored on B before the window was routed to {got:?}"
+        ));
+    }
+    drop(gw);
     a.bridge.stop();
     b.bridge.stop();
 }
