@@ -30,47 +30,22 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, layout, metric, store, Bridge, Engine};
+use common::{free_port, layout, metric, repo, store, Bridge, Engine};
 use kvbridge::sim::SimEvent;
 
 const T: Duration = Duration::from_secs(60);
 const BLOCK: usize = 16;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// `scripts/smg-venv.sh` (idempotent); the `smg` command beside the python it prints.
 fn smg_command() -> PathBuf {
-    let out = Command::new("bash")
-        .arg(repo().join("scripts/smg-venv.sh"))
-        .env("CARGO_TARGET_DIR", target_dir())
-        .output()
-        .expect("cannot run bash scripts/smg-venv.sh");
-    assert!(
-        out.status.success(),
-        "scripts/smg-venv.sh failed (Python >= 3.10 with pip and PyPI access are required)\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let py = common::setup_script(
+        "smg-venv.sh",
+        &[],
+        "Python >= 3.10 with pip and PyPI access",
     );
-    let py = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .expect("smg-venv.sh printed no path")
-        .trim()
-        .to_string();
-    let smg = Path::new(&py).with_file_name("smg");
-    assert!(smg.exists(), "no smg command beside {py}");
+    let smg = py.with_file_name("smg");
+    assert!(smg.exists(), "no smg command beside {}", py.display());
     smg
-}
-
-/// The target directory this test binary was built into (the venv lives there).
-fn target_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("CARGO_TARGET_DIR") {
-        return d.into();
-    }
-    // …/target/release/deps/gateway-HASH → …/target
-    let exe = std::env::current_exe().unwrap();
-    exe.ancestors().nth(3).unwrap().to_path_buf()
 }
 
 /// A child process killed (by its own id) when dropped.
