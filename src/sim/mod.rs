@@ -29,6 +29,16 @@ pub struct EnginePublisher {
 }
 
 impl EnginePublisher {
+    /// The endpoints the PUB and the replay ROUTER are bound to, as ZMQ reports them: binding
+    /// `tcp://127.0.0.1:*` lets the kernel pick free ports, and this tells which.
+    pub fn bound_endpoints(&self) -> Result<(String, Option<String>), zmq::Error> {
+        let last = |s: &zmq::Socket| -> Result<String, zmq::Error> {
+            Ok(s.get_last_endpoint()?.unwrap_or_default())
+        };
+        let replay = self.router.as_ref().map(last).transpose()?;
+        Ok((last(&self.publisher)?, replay))
+    }
+
     /// Binds a PUB at `endpoint` and, optionally, a replay ROUTER at `replay` (as engines do).
     pub fn bind(
         ctx: &zmq::Context,

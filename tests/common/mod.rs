@@ -33,13 +33,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// A simulated engine on fresh loopback ports.
+    /// A simulated engine on fresh loopback ports (bound to port 0 by ZMQ's `*`; the bound
+    /// endpoints are read back, so no other process can take them in between).
     pub fn start(_rank: u32) -> Engine {
-        let (port, rport) = (free_port(), free_port());
-        Engine::start_at(
-            &format!("tcp://127.0.0.1:{port}"),
-            &format!("tcp://127.0.0.1:{rport}"),
-        )
+        Engine::start_at("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     }
 
     /// Runs `f` on the engine thread and returns its result.
@@ -121,7 +118,7 @@ impl Bridge {
     /// Starts `kvbridge serve` with `extra` flags plus a fresh gRPC port and metrics off, and
     /// waits until gRPC accepts connections.
     pub fn start(dir: &Path, shm: &Path, extra: &[String]) -> Bridge {
-        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let grpc: SocketAddr = "127.0.0.1:0".parse().unwrap();
         Self::start_args(dir, grpc, shm, serve_args(grpc, shm, "off", extra))
     }
 
@@ -139,7 +136,11 @@ impl Bridge {
         nofile: Option<u64>,
     ) -> Bridge {
         use std::os::unix::process::CommandExt;
-        let stderr_log = dir.join(format!("bridge-{}.log", grpc.port()));
+        // Port 0: the bridge binds, and its log says where (`grpc_addr=`); a counter keeps such
+        // bridges' logs apart.
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let stderr_log = dir.join(format!("bridge-{}-{n}.log", grpc.port()));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -167,7 +168,7 @@ impl Bridge {
             }
         }
         let child = cmd.spawn().expect("spawn kvbridge");
-        let b = Bridge {
+        let mut b = Bridge {
             child,
             grpc,
             shm: shm.to_owned(),
@@ -178,8 +179,32 @@ impl Bridge {
         b
     }
 
-    fn wait_ready(&self) {
+    /// Waits until gRPC accepts connections. A bridge started on port 0 first says in its log
+    /// where it bound; that address replaces port 0 here and in `args`, so that a restart comes
+    /// back on the same address (as a real bridge behind a fixed worker URL does).
+    fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
+        while self.grpc.port() == 0 && Instant::now() < deadline {
+            let log = self.log();
+            if let Some(addr) = log
+                .lines()
+                .filter(|l| l.contains("serving SubscribeKvEvents"))
+                .find_map(|l| {
+                    l.split_whitespace()
+                        .find_map(|w| w.strip_prefix("grpc_addr="))
+                })
+            {
+                self.grpc = addr.parse().expect("grpc_addr= in the log");
+                if let Some(i) = self.args.iter().position(|a| a == "--grpc") {
+                    self.args[i + 1] = self.grpc.to_string();
+                }
+                break;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("kvbridge exited with {st:?}; log:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         while Instant::now() < deadline {
             if std::net::TcpStream::connect(self.grpc).is_ok() {
                 return;
@@ -349,15 +374,18 @@ impl Engine {
     /// Like [`Engine::start_at`], but an endpoint that cannot be bound (say, a port taken
     /// meanwhile) is an error for the caller to handle.
     pub fn try_start_at(endpoint: &str, replay: &str) -> Result<Engine, zmq::Error> {
-        let (endpoint, replay) = (endpoint.to_string(), replay.to_string());
         let (tx, rx) = mpsc::channel::<Job>();
-        let (ep, rp) = (endpoint.clone(), replay.clone());
+        let (ep, rp) = (endpoint.to_string(), replay.to_string());
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = std::thread::spawn(move || {
             let ctx = zmq::Context::new();
-            let mut p = match EnginePublisher::bind(&ctx, &ep, Some(&rp), "") {
-                Ok(p) => {
-                    ready_tx.send(Ok(())).unwrap();
+            let bound = EnginePublisher::bind(&ctx, &ep, Some(&rp), "")
+                .and_then(|p| p.bound_endpoints().map(|e| (p, e)));
+            let mut p = match bound {
+                Ok((p, (pub_ep, replay_ep))) => {
+                    ready_tx
+                        .send(Ok((pub_ep, replay_ep.unwrap_or_default())))
+                        .unwrap();
                     p
                 }
                 Err(e) => return ready_tx.send(Err(e)).unwrap(),
@@ -371,7 +399,7 @@ impl Engine {
                 p.serve_replay();
             }
         });
-        ready_rx.recv().unwrap()?;
+        let (endpoint, replay) = ready_rx.recv().unwrap()?;
         Ok(Engine {
             tx,
             endpoint,
