@@ -91,6 +91,9 @@ pub struct Bridge {
     pub shm: PathBuf,
     pub args: Vec<String>,
     pub stderr_log: PathBuf,
+    /// The metrics address the bridge logged when started on port 0 (kept across a restart);
+    /// `None`: metrics off, or given by the caller.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// `serve --grpc GRPC --shm SHM --metrics METRICS EXTRA…`.
@@ -174,6 +177,7 @@ impl Bridge {
             shm: shm.to_owned(),
             args,
             stderr_log,
+            metrics: None,
         };
         b.wait_ready();
         b
@@ -186,17 +190,28 @@ impl Bridge {
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.grpc.port() == 0 && Instant::now() < deadline {
             let log = self.log();
-            if let Some(addr) = log
+            if let Some(line) = log
                 .lines()
-                .filter(|l| l.contains("serving SubscribeKvEvents"))
-                .find_map(|l| {
-                    l.split_whitespace()
-                        .find_map(|w| w.strip_prefix("grpc_addr="))
-                })
+                .find(|l| l.contains("serving SubscribeKvEvents"))
             {
-                self.grpc = addr.parse().expect("grpc_addr= in the log");
+                let field = |name: &str| {
+                    line.split_whitespace()
+                        .find_map(|w| w.strip_prefix(name))
+                        .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+                };
+                self.grpc = field("grpc_addr=").parse().expect("grpc_addr= in the log");
+                self.metrics = field("metrics=")
+                    .strip_prefix("http://")
+                    .and_then(|m| m.strip_suffix("/metrics"))
+                    .map(|m| m.parse().expect("metrics= in the log"));
                 if let Some(i) = self.args.iter().position(|a| a == "--grpc") {
                     self.args[i + 1] = self.grpc.to_string();
+                }
+                if let (Some(m), Some(i)) = (
+                    self.metrics,
+                    self.args.iter().position(|a| a == "--metrics"),
+                ) {
+                    self.args[i + 1] = m.to_string();
                 }
                 break;
             }
@@ -237,10 +252,13 @@ impl Bridge {
 
     /// Restarts with the same arguments (same port, same ring).
     pub fn restart(self, dir: &Path) -> Bridge {
-        let (grpc, shm, args) = (self.grpc, self.shm.clone(), self.args.clone());
+        let (grpc, shm, args, metrics) =
+            (self.grpc, self.shm.clone(), self.args.clone(), self.metrics);
         let st = self.stop();
         assert!(st.success(), "kvbridge exited with {st:?}");
-        Self::start_args(dir, grpc, &shm, args)
+        let mut b = Self::start_args(dir, grpc, &shm, args);
+        b.metrics = metrics;
+        b
     }
 
     pub fn url(&self) -> String {
@@ -423,10 +441,12 @@ impl Bridge {
         extra: &[String],
         nofile: Option<u64>,
     ) -> (Bridge, SocketAddr) {
-        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let args = serve_args(grpc, shm, &metrics.to_string(), extra);
-        (Self::start_limited(dir, grpc, shm, args, nofile), metrics)
+        // Both on port 0; the bound addresses come from the bridge's log.
+        let grpc: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let args = serve_args(grpc, shm, "127.0.0.1:0", extra);
+        let b = Self::start_limited(dir, grpc, shm, args, nofile);
+        let metrics = b.metrics.expect("metrics address in the log");
+        (b, metrics)
     }
 
     /// CPU time (user + system) the process has used so far.
