@@ -23,15 +23,13 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes};
 use common::*;
+use kvbridge::bench::RawCodec;
 use kvbridge::proto::common::SubscribeKvEventsRequest;
 use kvbridge::sim::Layout;
 use kvbridge_shm::RingReader;
 use prost::Message;
 use serde_json::Value;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::Status;
 
 const T: Duration = Duration::from_secs(60);
 
@@ -120,41 +118,6 @@ impl PyReader {
         self.expect("done");
         let st = self.child.wait().unwrap();
         assert!(st.success(), "reader_check.py exited with {st:?}");
-    }
-}
-
-/// Requests encode with prost; responses stay the exact bytes on the wire.
-#[derive(Clone, Copy, Default)]
-struct RawCodec;
-
-impl Codec for RawCodec {
-    type Encode = SubscribeKvEventsRequest;
-    type Decode = Bytes;
-    type Encoder = RawCodec;
-    type Decoder = RawCodec;
-    fn encoder(&mut self) -> RawCodec {
-        RawCodec
-    }
-    fn decoder(&mut self) -> RawCodec {
-        RawCodec
-    }
-}
-
-impl Encoder for RawCodec {
-    type Item = SubscribeKvEventsRequest;
-    type Error = Status;
-    fn encode(&mut self, item: Self::Item, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        item.encode(dst)
-            .map_err(|e| Status::internal(e.to_string()))
-    }
-}
-
-impl Decoder for RawCodec {
-    type Item = Bytes;
-    type Error = Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
-        let n = src.remaining();
-        Ok(Some(src.copy_to_bytes(n)))
     }
 }
 

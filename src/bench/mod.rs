@@ -16,6 +16,8 @@ pub mod proc_stats;
 pub mod reader;
 mod wire;
 
+pub use wire::RawCodec;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -38,9 +38,11 @@ pub(super) fn seq_and_ts(b: &[u8]) -> Option<(u64, f64)> {
     Some((seq, ts))
 }
 
-/// Requests encode with prost; responses stay bytes.
-#[derive(Clone, Copy, Default)]
-pub(super) struct RawCodec;
+/// A `SubscribeKvEvents` client codec that leaves each response as the exact bytes on the
+/// wire: requests encode with prost, responses are not decoded. The bench reads only the
+/// sequence number and timestamp from them; tests compare them byte for byte with the ring.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct RawCodec;
 
 impl Codec for RawCodec {
     type Encode = SubscribeKvEventsRequest;
