@@ -298,14 +298,31 @@ struct Got {
 /// Everything on `subject`, in stream order, read with an ordered consumer until `n` messages.
 async fn read_subject(js: &jetstream::Context, stream: &str, subject: &str, n: usize) -> Vec<Got> {
     use jetstream::consumer::pull;
-    let s = js.get_stream(stream).await.expect("stream");
-    let c = s
-        .create_consumer(pull::OrderedConfig {
-            filter_subject: subject.to_string(),
-            ..Default::default()
-        })
-        .await
-        .expect("consumer");
+    // Right after a node was killed and restarted, the cluster may still be electing leaders:
+    // JetStream API requests then time out and are retried (until a deadline) — the data
+    // assertions below are what this test is about.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let c = loop {
+        let attempt = async {
+            js.get_stream(stream)
+                .await
+                .map_err(|e| e.to_string())?
+                .create_consumer(pull::OrderedConfig {
+                    filter_subject: subject.to_string(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match attempt.await {
+            Ok(c) => break c,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                eprintln!("consumer on {subject}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("consumer on {subject}: {e}"),
+        }
+    };
     let mut msgs = c.messages().await.expect("messages");
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
