@@ -2,7 +2,14 @@
 //!
 //! * `ingest/decode` vs `ingest/decode+table`: 2,000 engine batches of the serving mix
 //!   (`sim::Workload`: prefill stores, decode-time single-block stores, eviction sweeps) decoded
-//!   and written into a buffer as the ring would, without and with the table update.
+//!   and written into a buffer as the ring would, each record also copied into the shared
+//!   `Bytes` the ring keeps for live subscribers (the ring does that with or without a table),
+//!   without and with the table update (which copies new blocks out of those records).
+//! * `publish/ring` vs `publish/ring+table`: the same batches published through the service's
+//!   real ingest step, `RingHub::publish` into a shared-memory ring (record checksum, commit,
+//!   the live-subscriber cache, metrics), without and with the snapshot table installed as the
+//!   ring's hook (`RingTable`, as `kvbridge serve` does by default). This is the cost the table
+//!   adds to ingest; `ingest/*` isolates it against the decoder alone.
 //! * `snapshot_1m/image` and `snapshot_1m/chunks`: a table of 1,000,000 blocks of 16 tokens:
 //!   the image copy (the only part done under the table lock, so the longest ingest can wait
 //!   for a snapshot) and the whole build (image, parents-first order, 1 MiB chunks: every chunk
@@ -10,10 +17,14 @@
 //!   are printed once.
 //!
 //! `cargo bench --bench snapshot -- --warm-up-time 1 --measurement-time 3`
+use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use kvbridge::decode::{DecodeConfig, Decoder, RecordHeader};
 use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
-use kvbridge::snapshot::{Table, CHUNK_MAX};
+use kvbridge::metrics::Metrics;
+use kvbridge::ring::RingHub;
+use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics, Table, CHUNK_MAX};
+use kvbridge_shm::{RecordMeta, WriterOptions};
 
 fn payloads(n: usize) -> Vec<Vec<u8>> {
     let mut w = Workload::new(7);
@@ -22,13 +33,15 @@ fn payloads(n: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Decodes every payload and writes its records into `out` (the ring's part of ingest);
-/// with `table`, also applies each batch to it. Returns the events seen.
+/// Decodes every payload and writes its records into `out` and into shared `Bytes` (the ring's
+/// part of ingest); with `table`, also applies each batch to it. Returns the events seen.
 fn ingest(dec: &mut Decoder, ps: &[Vec<u8>], out: &mut [u8], mut table: Option<&mut Table>) -> u64 {
     let mut seq = 1u64;
     let mut events = 0u64;
+    let mut records: Vec<Bytes> = Vec::new();
     for p in ps {
         let plan = dec.plan(p).expect("valid batch");
+        records.clear();
         for i in 0..plan.records {
             let hdr = RecordHeader {
                 sequence_number: seq,
@@ -37,11 +50,12 @@ fn ingest(dec: &mut Decoder, ps: &[Vec<u8>], out: &mut [u8], mut table: Option<&
             };
             let len = dec.record_len(i, &hdr);
             dec.write_record(p, i, &hdr, &mut out[..len]);
+            records.push(Bytes::copy_from_slice(&out[..len]));
             events += dec.record_events(i);
             seq += 1;
         }
         if let Some(t) = table.as_deref_mut() {
-            t.apply(&dec.planned(&plan, p), 0, seq - 1);
+            t.apply(&dec.planned(&plan, p), &records, 0, seq - 1);
         }
     }
     events
@@ -67,6 +81,59 @@ fn bench_ingest(c: &mut Criterion) {
     g.finish();
 }
 
+/// Plans and publishes every payload into `hub`. Returns the records published.
+fn publish(dec: &mut Decoder, ps: &[Vec<u8>], hub: &RingHub) -> u64 {
+    let mut records = 0;
+    for p in ps {
+        let plan = dec.plan(p).expect("valid batch");
+        let meta = RecordMeta {
+            dp_rank: 0,
+            upstream_seq: 1,
+            flags: 0,
+            ingest_ns: 1,
+        };
+        let out = hub
+            .publish(&dec.planned(&plan, p), None, meta)
+            .expect("publish");
+        records += out.records as u64;
+    }
+    records
+}
+
+fn bench_publish(c: &mut Criterion) {
+    let ps = payloads(2000);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let metrics = Metrics::new();
+    let opts = WriterOptions {
+        capacity: 64 << 20,
+        seq_base: Some(1),
+        group_read: false,
+    };
+    let open = |name: &str| {
+        RingHub::open(name, &dir.path().join(name), &opts, &metrics)
+            .expect("ring")
+            .0
+    };
+    let (plain, tabled) = (open("plain"), open("tabled"));
+    let _table = RingTable::attach(
+        &tabled,
+        &dir.path().join("tabled"),
+        false,
+        None,
+        &SnapshotConfig::default(),
+        SnapshotMetrics::new(&metrics),
+    );
+    let mut dec = Decoder::new(DecodeConfig::default());
+    let mut g = c.benchmark_group("publish");
+    g.bench_function("ring", |b| {
+        b.iter(|| black_box(publish(&mut dec, &ps, &plain)))
+    });
+    g.bench_function("ring+table", |b| {
+        b.iter(|| black_box(publish(&mut dec, &ps, &tabled)))
+    });
+    g.finish();
+}
+
 fn big_table() -> Table {
     let mut rng = Rng::new(3);
     let mut dec = Decoder::new(DecodeConfig::default());
@@ -84,7 +151,7 @@ fn big_table() -> Table {
         };
         let p = encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0);
         let plan = dec.plan(&p).expect("valid");
-        t.apply(&dec.planned(&plan, &p), 0, seq);
+        t.apply(&dec.planned(&plan, &p), &[], 0, seq);
     }
     t
 }
@@ -118,5 +185,5 @@ fn bench_snapshot(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_ingest, bench_snapshot);
+criterion_group!(benches, bench_ingest, bench_publish, bench_snapshot);
 criterion_main!(benches);

@@ -181,7 +181,9 @@ impl Decoder {
     }
 
     fn write_stored(&self, buf: &[u8], ev: &Ev, p: &Part, w: &mut W<'_>) {
+        let rec = (self.cur_rec.get() as u64) << 32;
         for i in p.lo..p.hi {
+            self.block_at[(ev.blk_start + i) as usize].set(rec | w.pos as u64);
             self.write_block(buf, ev, i, w);
         }
         let parent = self.part_parent(ev, p.lo);

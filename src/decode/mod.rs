@@ -258,7 +258,17 @@ pub struct Decoder {
     /// pack.rs: whether the last record still takes parts, and its worst-case bytes so far.
     open: bool,
     used: usize,
+    /// Where pass 2 wrote each block of `blocks`: record index << 32 | offset in the record
+    /// ([`NOT_WRITTEN`] until written). Lets the snapshot table copy a block's encoding from the
+    /// record instead of encoding its tokens again (observe.rs). Cells because `write_record`
+    /// takes `&self`; capacity kept like the other scratch vectors.
+    block_at: Vec<std::cell::Cell<u64>>,
+    /// The record `write_record` is writing (for `block_at`).
+    cur_rec: std::cell::Cell<u32>,
 }
+
+/// `Decoder::block_at` value of a block no record holds (yet).
+pub(crate) const NOT_WRITTEN: u64 = u64::MAX;
 
 impl Decoder {
     /// A decoder with this configuration.
@@ -280,6 +290,8 @@ impl Decoder {
             lost_removals: 0,
             open: false,
             used: 0,
+            block_at: Vec::new(),
+            cur_rec: std::cell::Cell::new(0),
         }
     }
 
@@ -304,6 +316,9 @@ impl Decoder {
         self.stats.batches += 1;
         match self.parse_batch(payload) {
             Ok(p) => {
+                self.block_at.clear();
+                self.block_at
+                    .resize_with(self.blocks.len(), || std::cell::Cell::new(NOT_WRITTEN));
                 self.stats.batches_ok += 1;
                 self.stats.records += self.recs.len() as u64;
                 self.stats.emitted_events += self.parts.len() as u64;
@@ -350,6 +365,7 @@ impl Decoder {
         );
         // No separate length check: indexing `out` panics if it is shorter than the record.
         let mut w = pb::W { buf: out, pos: 0 };
+        self.cur_rec.set(i as u32);
         self.write_rec(payload, i, hdr, &mut w);
         debug_assert_eq!(w.pos, self.rec_len(i, hdr));
         w.pos

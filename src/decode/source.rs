@@ -5,6 +5,7 @@ use std::cell::RefCell;
 
 use super::{encode_cleared, BatchPlan, Decoder};
 use crate::ring::{EventVisitor, RecordHeader, RecordSource};
+use bytes::Bytes;
 
 /// A batch planned by [`Decoder::plan`], ready to be written into ring records (pass 2).
 pub struct PlannedBatch<'a> {
@@ -38,8 +39,8 @@ impl RecordSource for PlannedBatch<'_> {
     fn record_events(&self, i: usize) -> u64 {
         self.dec.record_events(i)
     }
-    fn visit(&self, v: &mut dyn EventVisitor) {
-        self.dec.visit_plan(self.payload, v);
+    fn visit(&self, records: &[Bytes], v: &mut dyn EventVisitor) {
+        self.dec.visit_plan(self.payload, records, v);
     }
 }
 
@@ -76,7 +77,7 @@ impl RecordSource for ClearedBatch {
     fn record_events(&self, _i: usize) -> u64 {
         1
     }
-    fn visit(&self, v: &mut dyn EventVisitor) {
+    fn visit(&self, _records: &[Bytes], v: &mut dyn EventVisitor) {
         v.cleared();
     }
 }

@@ -43,8 +43,15 @@ pub use source::{
 /// called under the writer lock, after the source's last record is committed, so that no reader
 /// of the hook's state can observe a ring and a state that disagree (the snapshot table's cut).
 pub trait PublishHook: Send + Sync {
-    /// `src` was published as records ending at `last_seq`, with ring metadata `meta`.
-    fn published(&self, src: &dyn RecordSource, meta: &RecordMeta, last_seq: u64);
+    /// `src` was published as `records` (their bytes, in order) ending at `last_seq`, with ring
+    /// metadata `meta`.
+    fn published(
+        &self,
+        src: &dyn RecordSource,
+        records: &[Bytes],
+        meta: &RecordMeta,
+        last_seq: u64,
+    );
 }
 
 /// Ring errors at the service edge.
@@ -66,6 +73,9 @@ pub enum RingError {
 struct WriterState {
     writer: RingWriter,
     next_event_id: u64,
+    /// The records of the source being published, for the hook (capacity kept: no allocation
+    /// per publish in steady state; emptied before the lock is released).
+    published: Vec<Bytes>,
 }
 
 /// One ring: its writer, a reader template, the recent-record cache and the wake-up signal.
@@ -166,6 +176,7 @@ impl RingHub {
             writer: Mutex::new(WriterState {
                 writer,
                 next_event_id,
+                published: Vec::new(),
             }),
             reader: Mutex::new(reader),
             cache: RwLock::new(RecentCache::default()),
@@ -196,6 +207,9 @@ impl RingHub {
     ) -> Result<Published, RingError> {
         let mut out = Published::default();
         let mut st = self.writer.lock();
+        let hook = self.hook.get();
+        // (a publish that failed half-way returned with its records still listed)
+        st.published.clear();
         for i in 0..src.records() {
             let hdr = RecordHeader {
                 sequence_number: st.writer.next_seq(),
@@ -216,6 +230,9 @@ impl RingHub {
             if let Some(h) = &self.metrics.record_size {
                 h.observe(len as f64);
             }
+            if hook.is_some() {
+                st.published.push(shared.clone());
+            }
             // Under the writer lock (see the module docs): cache first, then `newest`.
             self.cache
                 .write()
@@ -223,10 +240,11 @@ impl RingHub {
             self.oldest.store(st.writer.oldest(), Ordering::Release);
             self.newest.store(seq, Ordering::Release);
         }
-        if out.records > 0 {
-            if let Some(h) = self.hook.get() {
-                h.published(src, &meta, out.last_seq);
+        if let Some(h) = hook {
+            if out.records > 0 {
+                h.published(src, &st.published, &meta, out.last_seq);
             }
+            st.published.clear();
         }
         drop(st);
         if out.records > 0 {

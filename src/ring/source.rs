@@ -5,6 +5,7 @@
 //! the decoder's planned engine batch and the synthesized `cleared` batch both implement
 //! [`RecordSource`]. This keeps the data path one-way: `ingest → decode → ring`.
 
+use bytes::Bytes;
 use kvbridge_shm::RecordMeta;
 
 /// Per-record values the ring decides (it assigns numbers) and the source writes into the record.
@@ -34,8 +35,11 @@ pub trait RecordSource {
     fn record_events(&self, i: usize) -> u64;
     /// Shows every event the source's records hold, in order, to `v` (once per source, not per
     /// record). Used by a [`PublishHook`](super::PublishHook) such as the snapshot table, which
-    /// must follow the same events without decoding the records again. Default: none.
-    fn visit(&self, _v: &mut dyn EventVisitor) {}
+    /// must follow the same events without decoding the records again. `records` are the bytes
+    /// [`write_record`](Self::write_record) wrote, record `i` at index `i` (or empty when the
+    /// caller does not have them): a source may hand out slices of them (a block's encoding)
+    /// instead of encoding the same thing a second time. Default: no events.
+    fn visit(&self, _records: &[Bytes], _v: &mut dyn EventVisitor) {}
 }
 
 /// Receives the events of a published source, after the filter profile, with every field a

@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
 
@@ -161,8 +162,16 @@ pub struct RingTable {
 }
 
 impl PublishHook for RingTable {
-    fn published(&self, src: &dyn RecordSource, meta: &RecordMeta, last_seq: u64) {
-        self.table.lock().apply(src, meta.dp_rank, last_seq);
+    fn published(
+        &self,
+        src: &dyn RecordSource,
+        records: &[Bytes],
+        meta: &RecordMeta,
+        last_seq: u64,
+    ) {
+        self.table
+            .lock()
+            .apply(src, records, meta.dp_rank, last_seq);
     }
 }
 

@@ -174,11 +174,18 @@ impl Table {
         self.unknown
     }
 
-    /// Applies one published source's events, from `rank`, written as records ending at
-    /// `last_seq` (what the ring's hook does; public for benchmarks and local tools).
-    pub fn apply(&mut self, src: &dyn crate::ring::RecordSource, rank: u32, last_seq: u64) {
+    /// Applies one published source's events, from `rank`, written as `records` (their bytes;
+    /// may be empty) ending at `last_seq` (what the ring's hook does; public for benchmarks and
+    /// local tools).
+    pub fn apply(
+        &mut self,
+        src: &dyn crate::ring::RecordSource,
+        records: &[bytes::Bytes],
+        rank: u32,
+        last_seq: u64,
+    ) {
         let first = (last_seq + 1).saturating_sub(src.records() as u64);
-        self.apply_with(rank, first, last_seq, &mut |v| src.visit(v));
+        self.apply_with(rank, first, last_seq, &mut |v| src.visit(records, v));
     }
 
     /// Applies the events `show` shows, from `rank`, held by records `first ..= last`: a clear
