@@ -80,7 +80,7 @@ def seq_and_ts(b):
 def role_shm(a):
     import kvbridge_shm
 
-    r = kvbridge_shm.Reader(a.ring)
+    r = kvbridge_shm.Reader(a.ring, spin_us=a.spin_us)
     r.seek(r.window()[1] + 1)
     print("ready", flush=True)
     ingest, e2e, n, lost, last = [], [], 0, 0, None
@@ -220,6 +220,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mix", default="small")
     ap.add_argument("--json")
+    ap.add_argument("--spin-us", type=int, default=0,
+                    help="the Python reader's opt-in spin before each futex wait (default 0)")
+    ap.add_argument("--floor", metavar="FLOOR_WAITER",
+                    help="also run this floor_waiter binary (cargo build --release -p kvbridge-shm "
+                         "--example floor_waiter) as a reader in the same run: the latency floor "
+                         "of a waiting reader on this machine under this load")
+    ap.add_argument("--floor-mode", default="wait", choices=["wait", "spin"],
+                    help=argparse.SUPPRESS)
     # roles
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--ring", help=argparse.SUPPRESS)
@@ -255,7 +263,9 @@ def main():
         while True:
             try:
                 socket.create_connection(("127.0.0.1", int(grpc_addr.split(":")[1])), 1).close()
-                break
+                if os.path.exists(ring):
+                    break
+                time.sleep(0.05)
             except OSError:
                 if time.time() > deadline:
                     raise SystemExit("kvbridge serve did not start")
@@ -264,9 +274,14 @@ def main():
         # The Rust bench sleeps 0.3 s before its clock starts; the Python readers count the
         # same window (warm-up + 0.3 s in, measured seconds long).
         py = [
-            spawn_role("shm", ring=ring, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds),
+            spawn_role("shm", ring=ring, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds,
+                       spin_us=a.spin_us),
             spawn_role("grpc", grpc=grpc_addr, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds),
         ]
+        if a.floor:
+            py.append(subprocess.Popen(
+                [a.floor, ring, str(run_s + 0.5), str(a.warmup + 0.5), str(a.seconds), a.floor_mode],
+                stdout=subprocess.PIPE, text=True))
         for p in py:
             if p.stdout.readline().strip() != "ready":
                 raise SystemExit("a Python reader did not start")
@@ -282,7 +297,7 @@ def main():
             raise SystemExit("kvbridge bench failed")
         with open(rust_json) as f:
             rs = json.load(f)
-        shm_py, grpc_py = [result(p) for p in py]
+        shm_py, grpc_py, *floor = [result(p) for p in py]
         drain_shm = result(spawn_role("drain-shm", ring=ring))
         import kvbridge_shm
 
@@ -306,6 +321,10 @@ def main():
          rs["shm_ring_latency"], rs["shm_latency"]),
         ("Python kvbridge_shm.Reader", shm_py["delivered"] / secs, shm_py["lost"],
          shm_py["ingest"], shm_py["e2e"]),
+    ] + [
+        (f"floor: Rust waiter ({a.floor_mode})", fl["delivered"] / secs, fl["lost"], fl["ingest"], None)
+        for fl in floor
+    ] + [
         ("Rust gRPC subscriber", rs["grpc"]["delivered"] / secs, rs["grpc"]["lost"],
          None, rs["grpc_latency"]),
         ("Python grpcio subscriber", grpc_py["delivered"] / secs, grpc_py["lost"],
@@ -316,7 +335,7 @@ def main():
     print(f"{'reader':28} {'rec/s':>8} {'lost':>5} {'ingest→r p50':>13} {'p99':>8} {'publish→r p50':>14} {'p99':>8}  (µs)")
     for name, rate, lost, il, el in rows:
         print(f"{name:28} {rate:8.0f} {lost:5d} {f(il and il['p50_us']):>13} {f(il and il['p99_us']):>8} "
-              f"{f(el['p50_us']):>14} {f(el['p99_us']):>8}")
+              f"{f(el and el['p50_us']):>14} {f(el and el['p99_us']):>8}")
     print(f"drain {drain_shm['records']} retained records as fast as possible:")
     print(f"  Python shm reader  {drain_shm['bytes']:10.0f} rec/s (bytes), "
           f"{drain_shm['parse']:10.0f} rec/s (+ parse_batch)")
@@ -326,6 +345,7 @@ def main():
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"rust": rs, "python_shm": shm_py, "python_grpc": grpc_py,
+                       "floor": floor[0] if floor else None,
                        "drain_shm": drain_shm, "drain_grpc": drain_grpc}, fh, indent=2)
 
 

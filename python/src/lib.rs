@@ -11,9 +11,13 @@
 //!   after use, so it could act on torn data. The copy is a few hundred bytes per batch.
 //! * lap, ring reset, writer gone and a damaged record become distinct exceptions carrying the
 //!   numbers to resume from (the reader's position has already moved there);
-//! * waiting happens with the GIL released (`Python::detach`) in the crate's
-//!   `next_blocking`, i.e. the same spin-then-futex protocol as a Rust reader, in slices of at
-//!   most 100 ms so that Ctrl-C (`KeyboardInterrupt`) is honoured while waiting.
+//! * a read first tries the ring with the GIL held (a record is often already committed: no
+//!   GIL round trip, no syscall); only when it finds nothing does it release the GIL
+//!   (`Python::detach`) and wait in the crate's `next_blocking`, i.e. the same futex protocol
+//!   as a Rust reader, but without its busy-spin by default (`spin_us = 0`: the reader sleeps
+//!   on the futex at once and is woken by the commit; one `FUTEX_WAIT` per record it waits
+//!   for). The wait runs in slices of at most 100 ms so that Ctrl-C (`KeyboardInterrupt`) is
+//!   honoured; a slice only ends early on a timeout, never while records flow.
 //!
 //! The reader sits behind a mutex because a `#[pyclass]` must be shareable between Python
 //! threads while `RingReader` keeps its position in a `Cell`. A second thread that calls into a
@@ -75,6 +79,9 @@ create_exception!(
     "`seek(seq)` outside the retained window [oldest, newest + 1]. Attributes: `requested`, \
      `oldest`, `newest`."
 );
+
+/// Largest accepted `spin_us`: a spin is a short bridge over a wake-up, not a way to wait.
+const MAX_SPIN_US: u64 = 1_000;
 
 /// One slice of a wait: short enough to honour Ctrl-C and the `timeout` promptly.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
@@ -313,12 +320,24 @@ impl Reader {
     ///
     /// `stale_after` (seconds): heartbeat age after which a writer whose pid cannot be checked
     /// (another pid namespace) is declared gone.
+    ///
+    /// `spin_us` (microseconds, default 0): how long a read that finds nothing busy-polls,
+    /// GIL released, before it sleeps on the ring's futex. The default never spins: an idle
+    /// reader costs no CPU and is woken by the writer's commit. A spin catches records that
+    /// follow within that time without a wake-up, but takes a core while it lasts (on a
+    /// busy host it takes it from the writer and the other readers).
     #[new]
-    #[pyo3(signature = (path, *, stale_after = 1.0))]
-    fn new(path: PathBuf, stale_after: f64) -> PyResult<Reader> {
+    #[pyo3(signature = (path, *, stale_after = 1.0, spin_us = 0))]
+    fn new(path: PathBuf, stale_after: f64, spin_us: u64) -> PyResult<Reader> {
         let mut reader = RingReader::open(&path).map_err(open_err)?;
         let stale = timeout_arg(Some(stale_after))?.unwrap_or(Duration::from_secs(1));
         reader.set_stale_after(stale);
+        if spin_us > MAX_SPIN_US {
+            return Err(PyValueError::new_err(format!(
+                "spin_us must be <= {MAX_SPIN_US}, not {spin_us}"
+            )));
+        }
+        reader.set_spin(Duration::from_micros(spin_us));
         Ok(Reader {
             inner: Mutex::new(Inner {
                 reader,
