@@ -80,6 +80,23 @@ def seq_and_ts(b):
     return seq, None
 
 
+def set_slice(pid, us):
+    """Ask the scheduler for a `us`-µs time slice for `pid` (0: the calling thread), staying
+    SCHED_OTHER: Linux ≥ 6.12 (EEVDF) takes `sched_runtime` as the task's slice, and a task
+    with a shorter slice gets an earlier deadline, so its wake-up preempts a running task with
+    a longer one instead of queueing behind it. No privilege needed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # struct sched_attr (SCHED_ATTR_SIZE_VER0): size, policy, flags, nice, priority, runtime,
+    # deadline, period. x86-64 and arm64 syscall numbers.
+    nr = {"x86_64": 314, "aarch64": 274}[os.uname().machine]
+    attr = ctypes.create_string_buffer(struct.pack("<IIQiIQQQ", 48, 0, 0, 0, 0, us * 1000, 0, 0), 48)
+    if libc.syscall(nr, pid, attr, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"sched_setattr(slice {us} µs): {os.strerror(e)}")
+
+
 # ---- roles, each in its own process -------------------------------------------------------
 
 
@@ -87,6 +104,8 @@ def role_shm(a):
     import kvbridge_shm
 
     r = kvbridge_shm.Reader(a.ring, spin_us=a.spin_us)
+    if a.slice_us:
+        set_slice(0, a.slice_us)
     r.seek(r.window()[1] + 1)
     print("ready", flush=True)
     # The loop does no more than a lean consumer would: take the clock, keep the record. The
@@ -239,6 +258,9 @@ def main():
                     help="also run this floor_waiter binary (cargo build --release -p kvbridge-shm "
                          "--example floor_waiter) as a reader in the same run: the latency floor "
                          "of a waiting reader on this machine under this load")
+    ap.add_argument("--slice-us", type=int, default=0,
+                    help="request this scheduler slice (µs, Linux >= 6.12) for the Python shm reader "
+                         "and the floor waiter (default: the kernel's)")
     ap.add_argument("--floor-mode", default="wait", choices=["wait", "spin"],
                     help=argparse.SUPPRESS)
     # roles
@@ -288,13 +310,15 @@ def main():
         # same window (warm-up + 0.3 s in, measured seconds long).
         py = [
             spawn_role("shm", ring=ring, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds,
-                       spin_us=a.spin_us),
+                       spin_us=a.spin_us, slice_us=a.slice_us),
             spawn_role("grpc", grpc=grpc_addr, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds),
         ]
         if a.floor:
             py.append(subprocess.Popen(
                 [a.floor, ring, str(run_s + 0.5), str(a.warmup + 0.5), str(a.seconds), a.floor_mode],
                 stdout=subprocess.PIPE, text=True))
+            if a.slice_us:
+                set_slice(py[-1].pid, a.slice_us)
         for p in py:
             if p.stdout.readline().strip() != "ready":
                 raise SystemExit("a Python reader did not start")

@@ -194,6 +194,10 @@ impl Record {
 /// Opening maps the file read-only; the reader starts at the oldest retained record. Reading
 /// never blocks the writer, and a reader can never modify the ring (it may only count itself
 /// as a futex sleeper in the `<ring>.wake` side file).
+///
+/// `Reader(path, *, stale_after=1.0, spin_us=0)`: a read that finds nothing releases the GIL and
+/// sleeps on the ring's futex until the writer's commit wakes it; `spin_us` (opt-in, ≤ 1000)
+/// busy-polls that long first.
 #[pyclass(module = "kvbridge_shm")]
 struct Reader {
     inner: Mutex<Inner>,
@@ -337,14 +341,14 @@ impl Reader {
     #[new]
     #[pyo3(signature = (path, *, stale_after = 1.0, spin_us = 0))]
     fn new(path: PathBuf, stale_after: f64, spin_us: u64) -> PyResult<Reader> {
-        let mut reader = RingReader::open(&path).map_err(open_err)?;
-        let stale = timeout_arg(Some(stale_after))?.unwrap_or(Duration::from_secs(1));
-        reader.set_stale_after(stale);
         if spin_us > MAX_SPIN_US {
             return Err(PyValueError::new_err(format!(
                 "spin_us must be <= {MAX_SPIN_US}, not {spin_us}"
             )));
         }
+        let mut reader = RingReader::open(&path).map_err(open_err)?;
+        let stale = timeout_arg(Some(stale_after))?.unwrap_or(Duration::from_secs(1));
+        reader.set_stale_after(stale);
         reader.set_spin(Duration::from_micros(spin_us));
         Ok(Reader {
             inner: Mutex::new(Inner {
