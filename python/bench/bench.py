@@ -267,6 +267,9 @@ def main():
     ap.add_argument("--slice-us", type=int, default=0,
                     help="request this scheduler slice (µs, Linux >= 6.12) for the Python shm reader "
                          "and the floor waiter (default: the kernel's)")
+    ap.add_argument("--floors", type=int, default=1,
+                    help="with --floor: how many identical floor waiters (2: the spread between "
+                         "two identical minimal readers woken by the same commit)")
     ap.add_argument("--floor-mode", default="wait", choices=["wait", "spin"],
                     help=argparse.SUPPRESS)
     # roles
@@ -319,7 +322,7 @@ def main():
                        spin_us=a.spin_us, slice_us=a.slice_us),
             spawn_role("grpc", grpc=grpc_addr, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds),
         ]
-        if a.floor:
+        for _ in range(a.floors if a.floor else 0):
             py.append(subprocess.Popen(
                 [a.floor, ring, str(run_s + 0.5), str(a.warmup + 0.5), str(a.seconds), a.floor_mode],
                 stdout=subprocess.PIPE, text=True))
@@ -365,8 +368,9 @@ def main():
         ("Python kvbridge_shm.Reader", shm_py["delivered"] / secs, shm_py["lost"],
          shm_py["ingest"], shm_py["e2e"]),
     ] + [
-        (f"floor: Rust waiter ({a.floor_mode})", fl["delivered"] / secs, fl["lost"], fl["ingest"], None)
-        for fl in floor
+        (f"floor: Rust waiter ({a.floor_mode})" + (f" #{k + 1}" if len(floor) > 1 else ""),
+         fl["delivered"] / secs, fl["lost"], fl["ingest"], None)
+        for k, fl in enumerate(floor)
     ] + [
         ("Rust gRPC subscriber", rs["grpc"]["delivered"] / secs, rs["grpc"]["lost"],
          None, rs["grpc_latency"]),
@@ -388,7 +392,7 @@ def main():
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"rust": rs, "python_shm": shm_py, "python_grpc": grpc_py,
-                       "floor": floor[0] if floor else None,
+                       "floor": floor,
                        "drain_shm": drain_shm, "drain_grpc": drain_grpc}, fh, indent=2)
 
 
