@@ -10,10 +10,16 @@ window:
 
 * a Python `kvbridge_shm.Reader` that waits (futex, GIL released; not spinning), and
 * a Python grpcio subscriber (SMG's published stubs, `SubscribeKvEvents`), which parses each
-  message as any grpcio client does.
+  message as any grpcio client does, and
+* with --floor, the shm crate's example `floor_waiter` (build it with `cargo build --release -p
+  kvbridge-shm --example floor_waiter`): a Rust process that does nothing but wait on the same
+  futex (no spin) and take the clock. Its latency is the floor of any waiting reader on this
+  machine under this load (the bridge's ingest → commit time plus the wake-up and scheduling
+  latency); a reader's own cost is its distance to this line in the same run.
 
-Latency: ingest→reader (the record's `ingest_ns` to the reader's clock, "commit→Python"; the
-Rust bench reports the same as "ring") and publish→reader (the batch's timestamp, the
+Latency: ingest→reader (the record's `ingest_ns`, stamped by the bridge when the batch arrived,
+just before it is encoded and committed, to the reader's clock right after the read returns:
+"commit→Python"; the Rust bench reports the same as "ring") and publish→reader (the batch's timestamp, the
 publisher's *scheduled* send time, to the reader's clock: end to end, comparable across all four).
 
 Then throughput: after the load stops, each Python reader drains the same backlog (every record
@@ -74,41 +80,73 @@ def seq_and_ts(b):
     return seq, None
 
 
+def set_slice(pid, us):
+    """Ask the scheduler for a `us`-µs time slice for `pid` (0: the calling thread), staying
+    SCHED_OTHER: Linux ≥ 6.12 (EEVDF) takes `sched_runtime` as the task's slice, and a task
+    with a shorter slice gets an earlier deadline, so its wake-up preempts a running task with
+    a longer one instead of queueing behind it. No privilege needed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # struct sched_attr (SCHED_ATTR_SIZE_VER0): size, policy, flags, nice, priority, runtime,
+    # deadline, period. x86-64 and arm64 syscall numbers.
+    nr = {"x86_64": 314, "aarch64": 274}[os.uname().machine]
+    attr = ctypes.create_string_buffer(struct.pack("<IIQiIQQQ", 48, 0, 0, 0, 0, us * 1000, 0, 0), 48)
+    if libc.syscall(nr, pid, attr, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"sched_setattr(slice {us} µs): {os.strerror(e)}")
+
+
 # ---- roles, each in its own process -------------------------------------------------------
 
 
 def role_shm(a):
     import kvbridge_shm
 
-    r = kvbridge_shm.Reader(a.ring)
+    r = kvbridge_shm.Reader(a.ring, spin_us=a.spin_us)
+    if a.slice_us:
+        set_slice(0, a.slice_us)
     r.seek(r.window()[1] + 1)
     print("ready", flush=True)
-    ingest, e2e, n, lost, last = [], [], 0, 0, None
-    t_end = time.time() + a.run_s
-    count_from, count_to = a.warmup_s, a.warmup_s + a.count_s
-    t0 = time.time()
+    # The loop does no more than a lean consumer would: take the clock, keep the record. The
+    # latencies are computed after the run, so the reader's own Python work between reads
+    # (which delays its next wake-up on a busy machine) is as small as it can be; and it
+    # keeps no object the cyclic GC tracks (a `Record` is one; its fields are not), so the
+    # collections its allocations trigger stay small instead of walking every kept record.
+    nows, ingests, seqs, payloads, laps = [], [], [], [], []
+    t0 = time.time_ns()
+    t_end = t0 + int(a.run_s * 1e9)
     while True:
-        now_s = time.time()
-        if now_s >= t_end:
-            break
         try:
             rec = r.next(timeout=0.2)
         except kvbridge_shm.Lapped as e:
-            lost += e.missed
-            continue
-        if rec is None:
+            laps.append((time.time_ns(), e.missed, len(seqs)))
             continue
         now_ns = time.time_ns()
-        el = now_ns / 1e9 - t0
-        if count_from <= el < count_to:
+        if rec is not None:
+            nows.append(now_ns)
+            ingests.append(rec.ingest_ns)
+            seqs.append(rec.sequence)
+            payloads.append(rec.payload)
+        if now_ns >= t_end:
+            break
+    count_from, count_to = t0 + int(a.warmup_s * 1e9), t0 + int((a.warmup_s + a.count_s) * 1e9)
+    counted = lambda t: count_from <= t < count_to
+    lost = sum(missed for t, missed, _ in laps if counted(t))
+    after_lap = {i for _, _, i in laps}
+    ingest, e2e, n, last = [], [], 0, None
+    for i, (now_ns, ingest_ns, seq, payload) in enumerate(zip(nows, ingests, seqs, payloads)):
+        if i in after_lap:
+            last = None
+        if counted(now_ns):
             n += 1
-            ingest.append(now_ns - rec.ingest_ns)
-            _, ts = seq_and_ts(rec.payload)
+            ingest.append(now_ns - ingest_ns)
+            _, ts = seq_and_ts(payload)
             if ts is not None:
                 e2e.append(now_ns - int(ts * 1e9))
-            if last is not None and rec.sequence != last + 1:
-                lost += rec.sequence - last - 1
-        last = rec.sequence
+            if last is not None and seq != last + 1:
+                lost += seq - last - 1
+        last = seq
     print(json.dumps({"delivered": n, "lost": lost, "ingest": lat(ingest), "e2e": lat(e2e)}))
 
 
@@ -220,6 +258,20 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mix", default="small")
     ap.add_argument("--json")
+    ap.add_argument("--spin-us", type=int, default=0,
+                    help="the Python reader's opt-in spin before each futex wait (default 0)")
+    ap.add_argument("--floor", metavar="FLOOR_WAITER",
+                    help="also run this floor_waiter binary (cargo build --release -p kvbridge-shm "
+                         "--example floor_waiter) as a reader in the same run: the latency floor "
+                         "of a waiting reader on this machine under this load")
+    ap.add_argument("--slice-us", type=int, default=0,
+                    help="request this scheduler slice (µs, Linux >= 6.12) for the Python shm reader "
+                         "and the floor waiter (default: the kernel's)")
+    ap.add_argument("--floors", type=int, default=1,
+                    help="with --floor: how many identical floor waiters (2: the spread between "
+                         "two identical minimal readers woken by the same commit)")
+    ap.add_argument("--floor-mode", default="wait", choices=["wait", "spin"],
+                    help=argparse.SUPPRESS)
     # roles
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--ring", help=argparse.SUPPRESS)
@@ -255,7 +307,9 @@ def main():
         while True:
             try:
                 socket.create_connection(("127.0.0.1", int(grpc_addr.split(":")[1])), 1).close()
-                break
+                if os.path.exists(ring):
+                    break
+                time.sleep(0.05)
             except OSError:
                 if time.time() > deadline:
                     raise SystemExit("kvbridge serve did not start")
@@ -264,9 +318,16 @@ def main():
         # The Rust bench sleeps 0.3 s before its clock starts; the Python readers count the
         # same window (warm-up + 0.3 s in, measured seconds long).
         py = [
-            spawn_role("shm", ring=ring, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds),
+            spawn_role("shm", ring=ring, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds,
+                       spin_us=a.spin_us, slice_us=a.slice_us),
             spawn_role("grpc", grpc=grpc_addr, run_s=run_s + 0.5, warmup_s=a.warmup + 0.5, count_s=a.seconds),
         ]
+        for _ in range(a.floors if a.floor else 0):
+            py.append(subprocess.Popen(
+                [a.floor, ring, str(run_s + 0.5), str(a.warmup + 0.5), str(a.seconds), a.floor_mode],
+                stdout=subprocess.PIPE, text=True))
+            if a.slice_us:
+                set_slice(py[-1].pid, a.slice_us)
         for p in py:
             if p.stdout.readline().strip() != "ready":
                 raise SystemExit("a Python reader did not start")
@@ -282,7 +343,7 @@ def main():
             raise SystemExit("kvbridge bench failed")
         with open(rust_json) as f:
             rs = json.load(f)
-        shm_py, grpc_py = [result(p) for p in py]
+        shm_py, grpc_py, *floor = [result(p) for p in py]
         drain_shm = result(spawn_role("drain-shm", ring=ring))
         import kvbridge_shm
 
@@ -306,6 +367,11 @@ def main():
          rs["shm_ring_latency"], rs["shm_latency"]),
         ("Python kvbridge_shm.Reader", shm_py["delivered"] / secs, shm_py["lost"],
          shm_py["ingest"], shm_py["e2e"]),
+    ] + [
+        (f"floor: Rust waiter ({a.floor_mode})" + (f" #{k + 1}" if len(floor) > 1 else ""),
+         fl["delivered"] / secs, fl["lost"], fl["ingest"], None)
+        for k, fl in enumerate(floor)
+    ] + [
         ("Rust gRPC subscriber", rs["grpc"]["delivered"] / secs, rs["grpc"]["lost"],
          None, rs["grpc_latency"]),
         ("Python grpcio subscriber", grpc_py["delivered"] / secs, grpc_py["lost"],
@@ -316,7 +382,7 @@ def main():
     print(f"{'reader':28} {'rec/s':>8} {'lost':>5} {'ingest→r p50':>13} {'p99':>8} {'publish→r p50':>14} {'p99':>8}  (µs)")
     for name, rate, lost, il, el in rows:
         print(f"{name:28} {rate:8.0f} {lost:5d} {f(il and il['p50_us']):>13} {f(il and il['p99_us']):>8} "
-              f"{f(el['p50_us']):>14} {f(el['p99_us']):>8}")
+              f"{f(el and el['p50_us']):>14} {f(el and el['p99_us']):>8}")
     print(f"drain {drain_shm['records']} retained records as fast as possible:")
     print(f"  Python shm reader  {drain_shm['bytes']:10.0f} rec/s (bytes), "
           f"{drain_shm['parse']:10.0f} rec/s (+ parse_batch)")
@@ -326,6 +392,7 @@ def main():
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"rust": rs, "python_shm": shm_py, "python_grpc": grpc_py,
+                       "floor": floor,
                        "drain_shm": drain_shm, "drain_grpc": drain_grpc}, fh, indent=2)
 
 

@@ -71,9 +71,18 @@ class Reader:
     ``RuntimeError``.
     """
 
-    def __init__(self, path: Union[str, os.PathLike[str]], *, stale_after: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: Union[str, os.PathLike[str]],
+        *,
+        stale_after: float = 1.0,
+        spin_us: int = 0,
+    ) -> None:
         """Map ``path`` read-only. Raises ``FileNotFoundError``, ``PermissionError`` or
-        ``RingError`` (not a ring, other layout version, inconsistent header)."""
+        ``RingError`` (not a ring, other layout version, inconsistent header).
+
+        ``spin_us`` (0 to 1000, default 0): busy-poll that long, GIL released, before sleeping
+        on the ring's futex. The default never spins (an idle reader costs no CPU)."""
     @property
     def position(self) -> int:
         """The sequence number the next read tries to return."""

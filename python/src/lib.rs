@@ -11,9 +11,13 @@
 //!   after use, so it could act on torn data. The copy is a few hundred bytes per batch.
 //! * lap, ring reset, writer gone and a damaged record become distinct exceptions carrying the
 //!   numbers to resume from (the reader's position has already moved there);
-//! * waiting happens with the GIL released (`Python::detach`) in the crate's
-//!   `next_blocking`, i.e. the same spin-then-futex protocol as a Rust reader, in slices of at
-//!   most 100 ms so that Ctrl-C (`KeyboardInterrupt`) is honoured while waiting.
+//! * a read first tries the ring with the GIL held (a record is often already committed: no
+//!   GIL round trip, no syscall); only when it finds nothing does it release the GIL
+//!   (`Python::detach`) and wait in the crate's `next_blocking`, i.e. the same futex protocol
+//!   as a Rust reader, but without its busy-spin by default (`spin_us = 0`: the reader sleeps
+//!   on the futex at once and is woken by the commit; one `FUTEX_WAIT` per record it waits
+//!   for). The wait runs in slices of at most 100 ms so that Ctrl-C (`KeyboardInterrupt`) is
+//!   honoured; a slice only ends early on a timeout, never while records flow.
 //!
 //! The reader sits behind a mutex because a `#[pyclass]` must be shareable between Python
 //! threads while `RingReader` keeps its position in a `Cell`. A second thread that calls into a
@@ -75,6 +79,9 @@ create_exception!(
     "`seek(seq)` outside the retained window [oldest, newest + 1]. Attributes: `requested`, \
      `oldest`, `newest`."
 );
+
+/// Largest accepted `spin_us`: a spin is a short bridge over a wake-up, not a way to wait.
+const MAX_SPIN_US: u64 = 1_000;
 
 /// One slice of a wait: short enough to honour Ctrl-C and the `timeout` promptly.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
@@ -187,6 +194,10 @@ impl Record {
 /// Opening maps the file read-only; the reader starts at the oldest retained record. Reading
 /// never blocks the writer, and a reader can never modify the ring (it may only count itself
 /// as a futex sleeper in the `<ring>.wake` side file).
+///
+/// `Reader(path, *, stale_after=1.0, spin_us=0)`: a read that finds nothing releases the GIL and
+/// sleeps on the ring's futex until the writer's commit wakes it; `spin_us` (opt-in, ≤ 1000)
+/// busy-polls that long first.
 #[pyclass(module = "kvbridge_shm")]
 struct Reader {
     inner: Mutex<Inner>,
@@ -231,8 +242,15 @@ impl Reader {
     fn read(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<Option<Record>> {
         let mut g = self.lock()?;
         let inner = &mut *g;
-        // Fast path with the GIL held: a record is usually already there.
-        let mut got = inner.take(Duration::ZERO);
+        // Fast path with the GIL held when a record is already committed (one atomic load
+        // decides): no GIL round trip, no syscall. Otherwise (or for a poll) the full read,
+        // which also classifies an empty ring (writer gone, ring re-created).
+        let committed = inner.reader.newest() >= inner.reader.position();
+        let mut got = if committed || timeout == Some(Duration::ZERO) {
+            inner.take(Duration::ZERO)
+        } else {
+            Got::Empty
+        };
         // Empty or gone: wait (a writer restarting within the timeout is waited for).
         if matches!(got, Got::Empty | Got::Gone) && timeout != Some(Duration::ZERO) {
             let deadline = timeout.map(|t| Instant::now() + t);
@@ -241,7 +259,8 @@ impl Reader {
                     Some(d) => d.saturating_duration_since(Instant::now()).min(WAIT_SLICE),
                     None => WAIT_SLICE,
                 };
-                // GIL released while the crate spins and sleeps on the ring's futex.
+                // GIL released while the crate sleeps on the ring's futex (after a spin only
+                // with `spin_us`).
                 got = py.detach(|| inner.take(slice.max(Duration::from_micros(1))));
                 let expired = deadline.is_some_and(|d| Instant::now() >= d);
                 match got {
@@ -313,12 +332,24 @@ impl Reader {
     ///
     /// `stale_after` (seconds): heartbeat age after which a writer whose pid cannot be checked
     /// (another pid namespace) is declared gone.
+    ///
+    /// `spin_us` (microseconds, default 0): how long a read that finds nothing busy-polls,
+    /// GIL released, before it sleeps on the ring's futex. The default never spins: an idle
+    /// reader costs no CPU and is woken by the writer's commit. A spin catches records that
+    /// follow within that time without a wake-up, but takes a core while it lasts (on a
+    /// busy host it takes it from the writer and the other readers).
     #[new]
-    #[pyo3(signature = (path, *, stale_after = 1.0))]
-    fn new(path: PathBuf, stale_after: f64) -> PyResult<Reader> {
+    #[pyo3(signature = (path, *, stale_after = 1.0, spin_us = 0))]
+    fn new(path: PathBuf, stale_after: f64, spin_us: u64) -> PyResult<Reader> {
+        if spin_us > MAX_SPIN_US {
+            return Err(PyValueError::new_err(format!(
+                "spin_us must be <= {MAX_SPIN_US}, not {spin_us}"
+            )));
+        }
         let mut reader = RingReader::open(&path).map_err(open_err)?;
         let stale = timeout_arg(Some(stale_after))?.unwrap_or(Duration::from_secs(1));
         reader.set_stale_after(stale);
+        reader.set_spin(Duration::from_micros(spin_us));
         Ok(Reader {
             inner: Mutex::new(Inner {
                 reader,

@@ -78,6 +78,18 @@ def mode_dump(a):
         emit(event="seek_error", requested=e.requested, oldest=e.oldest, newest=e.newest)
     else:
         raise SystemExit("seek past newest + 1 was accepted")
+    # The opt-in spin: a waiting read with it still ends with None; out of range is refused.
+    s = kvbridge_shm.Reader(a.ring, spin_us=50)
+    first = read_one(s)
+    assert first.sequence == oldest and first.payload == kvbridge_shm.Reader(a.ring).next().payload
+    s.seek(newest + 1)
+    assert s.next(timeout=0.01) is None
+    try:
+        kvbridge_shm.Reader(a.ring, spin_us=1001)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit("spin_us=1001 was accepted")
     # Waiting releases the GIL: while a thread waits in next() (nothing is published, so it
     # waits the full second), this thread keeps running, and a call into the same Reader from
     # here is refused (RuntimeError) instead of blocking.

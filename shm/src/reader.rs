@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 const FRESH_HEARTBEAT_NS: u64 = 250_000_000;
 /// How often an idle reader re-checks that the path still names its file.
 const RESET_CHECK_EVERY: Duration = Duration::from_millis(20);
-/// Busy-spin before sleeping on the futex.
+/// Busy-spin before sleeping on the futex (the default of [`RingReader::set_spin`]).
 const SPIN: Duration = Duration::from_micros(20);
 
 struct Mapped {
@@ -104,6 +104,7 @@ pub struct RingReader {
     m: Arc<Mapped>,
     pos: Cell<u64>,
     stale_after: Duration,
+    spin: Duration,
     last_stat: Cell<Option<Instant>>,
 }
 
@@ -186,6 +187,7 @@ impl RingReader {
             m: Arc::new(m),
             pos: Cell::new(0),
             stale_after: Duration::from_secs(1),
+            spin: SPIN,
             last_stat: Cell::new(None),
         };
         r.pos.set(r.oldest());
@@ -196,6 +198,15 @@ impl RingReader {
     /// declared gone (default 1 s; the service beats every ~100 ms).
     pub fn set_stale_after(&mut self, d: Duration) {
         self.stale_after = d;
+    }
+
+    /// How long [`next_blocking`](Self::next_blocking) busy-polls before it sleeps on the
+    /// futex (default 20 µs). Spinning catches a record that follows within microseconds
+    /// without a wake-up, at the price of a core; `Duration::ZERO` makes the reader a pure
+    /// waiter (for bindings whose users asked for a reader that does not burn CPU while idle,
+    /// and for measuring the futex wake-up alone).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
     }
 
     /// The ring incarnation's random id (changes when the file is re-created).
@@ -391,7 +402,7 @@ impl RingReader {
     }
 
     /// Like [`next`](Self::next) but waits up to `timeout` for a record:
-    /// spins ~20 µs, then sleeps on the shared futex. While the writer is
+    /// spins ~20 µs ([`set_spin`](Self::set_spin)), then sleeps on the shared futex. While the writer is
     /// gone it keeps waiting (a restarted writer wakes it) and returns
     /// `WriterGone` only when the timeout expires with nothing to read.
     pub fn next_blocking(&mut self, timeout: Duration) -> ReadOutcome<'_> {
@@ -404,9 +415,9 @@ impl RingReader {
             }
             let want = self.pos.get();
             // Spin briefly: a record usually follows within microseconds.
-            let spin_until = (Instant::now() + SPIN).min(deadline);
             let mut arrived = false;
-            'spin: loop {
+            let spin_until = (Instant::now() + self.spin).min(deadline);
+            'spin: while !self.spin.is_zero() {
                 for _ in 0..64 {
                     if self.m.ring().newest.load(Ordering::Relaxed) >= want {
                         arrived = true;

@@ -523,6 +523,31 @@ fn futex_wait_on_read_only_mapping_is_woken() {
 }
 
 #[test]
+fn reader_without_spin_sleeps_and_is_woken_by_the_commit() {
+    let d = tmpdir();
+    let p = ring_path(&d);
+    let mut w = RingWriter::open(&p, &opts(1)).unwrap();
+    let mut r = RingReader::open(&p).unwrap();
+    r.set_spin(Duration::ZERO);
+    let h = std::thread::spawn(move || match r.next_blocking(Duration::from_secs(30)) {
+        ReadOutcome::Record(v) => v.seq(),
+        o => panic!("{o:?}"),
+    });
+    // The reader counts itself as a sleeper in `<ring>.wake` right before its FUTEX_WAIT:
+    // with no spin it gets there without any record being published.
+    let wake = wake_path(&p);
+    let off = WAKE_OFF_WAITERS;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read(&wake).unwrap()[off..off + 4] == [0; 4] {
+        assert!(Instant::now() < deadline, "the reader never went to sleep");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    write(&mut w, 10);
+    assert_eq!(h.join().unwrap(), 1);
+    assert_eq!(std::fs::read(&wake).unwrap()[off..off + 4], [0; 4]);
+}
+
+#[test]
 fn clones_share_mapping_with_own_positions() {
     let d = tmpdir();
     let p = ring_path(&d);
