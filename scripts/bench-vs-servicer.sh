@@ -10,6 +10,9 @@
 # Both are measured with `--syscalls` (perf) when perf can trace here; every run prints the
 # bench's own table, and the end a summary with kvbridge/servicer ratios. KVBRIDGE_BASE_BIN=PATH
 # adds a third row, another kvbridge binary (e.g. a build of an earlier commit), same run.
+# kvbridge's runs use `--floor`, so every run also measures the same shape without gRPC (a bare
+# sender writing one frame-sized message per connection per batch) and the summary adds those
+# rows and the kvbridge/floor ratios.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -64,7 +67,7 @@ for i in $(seq "$RUNS"); do
         --serve-pid "$SERVICER" --json "$OUT/servicer-$i.json"
     stop_servicer
     echo "== run $i: kvbridge"
-    "$BIN" bench "${COMMON[@]}" --json "$OUT/kvbridge-$i.json"
+    "$BIN" bench "${COMMON[@]}" --floor --json "$OUT/kvbridge-$i.json"
     if [ -n "${KVBRIDGE_BASE_BIN:-}" ]; then
         echo "== run $i: kvbridge (KVBRIDGE_BASE_BIN)"
         "$KVBRIDGE_BASE_BIN" bench "${COMMON[@]}" --json "$OUT/baseline-$i.json"
@@ -94,6 +97,23 @@ for name, rs in rows.items():
           f"| {med(rs, lambda r: r['bridge_cpu_percent']):.1f} "
           f"| {med(rs, lambda r: r['cpu_us_per_delivered_batch']):.2f} "
           f"| {med(rs, lambda r: r.get('syscalls_per_delivered_batch')):.2f} |")
+for i, sender in enumerate(["blocking", "tokio"]):
+    fs = [r["floor"][i] for r in rows["kvbridge"] if len(r.get("floor", [])) > i]
+    if not fs:
+        continue
+    n = rows["kvbridge"][0]["subscribers"]
+    print(f"| floor, {sender} sender ({fs[0]['message_bytes']} B writes) | {med(fs, lambda f: f['delivered_batches']):.0f} / {med(fs, lambda f: f['rate'] * f['seconds'] * n):.0f} "
+          f"| {max(f['lost'] for f in fs)} "
+          f"| {med(fs, lambda f: f['latency']['p50_us']):.0f} / {med(fs, lambda f: f['latency']['p99_us']):.0f} / {med(fs, lambda f: f['latency']['p999_us']):.0f} "
+          f"| {med(fs, lambda f: f['sender_cpu_percent']):.1f} "
+          f"| {med(fs, lambda f: f['cpu_us_per_delivered_batch']):.2f} "
+          f"| {med(fs, lambda f: f.get('syscalls_per_delivered_batch')):.2f} |")
+for i, sender in enumerate(["blocking", "tokio"]):
+    r = [k["cpu_us_per_delivered_batch"] / k["floor"][i]["cpu_us_per_delivered_batch"]
+         for k in rows["kvbridge"]
+         if len(k.get("floor", [])) > i and k.get("cpu_us_per_delivered_batch") and k["floor"][i].get("cpu_us_per_delivered_batch")]
+    if r:
+        print(f"kvbridge / floor ({sender} sender) CPU per delivered batch, per run:", " ".join(f"{x:.2f}" for x in r))
 ratios = [k["cpu_us_per_delivered_batch"] / s["cpu_us_per_delivered_batch"]
           for k, s in zip(rows["kvbridge"], rows["servicer"])
           if k.get("cpu_us_per_delivered_batch") and s.get("cpu_us_per_delivered_batch")]

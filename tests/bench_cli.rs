@@ -51,3 +51,63 @@ fn bench_runs_and_reports_zero_loss() {
     assert!(r["bridge_peak_rss_kib"].as_u64().unwrap() > 0);
     assert!(String::from_utf8_lossy(&out.stdout).contains("p99"));
 }
+
+/// `kvbridge bench --floor`: after the run, the same shape without gRPC (a sender process
+/// writing one frame-sized message per connection per batch) is measured with both senders,
+/// every message arrives in order and the sender's CPU is reported.
+#[test]
+fn bench_floor_reports_both_senders_without_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(["bench", "--rate", "200", "--duration", "2", "--warmup", "1"])
+        .args([
+            "--subscribers",
+            "4",
+            "--connections",
+            "2",
+            "--shm-readers",
+            "0",
+        ])
+        .args(["--ring-size", "8MiB", "--floor", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let floor = r["floor"].as_array().expect("floor rows");
+    let senders: Vec<&str> = floor
+        .iter()
+        .map(|f| f["sender"].as_str().unwrap())
+        .collect();
+    assert_eq!(senders, ["blocking", "tokio"], "{r}");
+    // A gRPC frame of the mean delivered size: record + 5-byte prefix + 9-byte frame header,
+    // twice (two subscribers per connection).
+    let record =
+        r["delivered_mb"].as_f64().unwrap() * 1e6 / r["grpc"]["delivered"].as_f64().unwrap();
+    for f in floor {
+        assert_eq!(f["lost"], 0, "{f}");
+        assert_eq!(f["connections"], 2, "{f}");
+        let bytes = f["message_bytes"].as_f64().unwrap();
+        assert!(
+            (bytes - 2.0 * (record + 14.0)).abs() <= 2.0,
+            "{bytes} vs {record}: {f}"
+        );
+        // 2 connections × 200/s × 2 s; generous, since a loaded machine may delay the sender.
+        let messages = f["delivered_messages"].as_u64().unwrap();
+        assert!((400..=900).contains(&messages), "{f}");
+        assert_eq!(
+            f["delivered_batches"].as_u64().unwrap(),
+            2 * messages,
+            "{f}"
+        );
+        assert!(f["cpu_us_per_delivered_batch"].as_f64().is_some(), "{f}");
+    }
+    assert!(text.contains("floor (Blocking sender"), "{text}");
+}

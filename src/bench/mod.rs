@@ -11,6 +11,7 @@
 //! delivered, lost (sequence holes) and duplicate batches. The bridge's CPU time and peak RSS
 //! come from `/proc/<pid>` of the `serve` process.
 
+pub mod floor;
 pub mod nats;
 pub mod proc_stats;
 pub mod reader;
@@ -159,6 +160,10 @@ pub struct BenchResult {
     pub bridge_syscalls: Option<u64>,
     /// Bridge system calls per batch delivered to a gRPC subscriber (`--syscalls`).
     pub syscalls_per_delivered_batch: Option<f64>,
+    /// `--floor`: the same shape without gRPC, HTTP/2 or the bridge, measured right after
+    /// (see [`floor`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub floor: Vec<floor::FloorResult>,
 }
 
 impl BenchResult {

@@ -30,6 +30,12 @@ pub(super) struct BenchArgs {
     /// raw_syscalls:sys_enter -p PID`; needs `perf` and permission to trace the process).
     #[arg(long)]
     syscalls: bool,
+    /// After the run, measure the floor of the same shape with no gRPC, HTTP/2 or bridge: a
+    /// sender process writing one message of a delivered frame's mean size per connection per
+    /// batch, at the same rate, over as many loopback TCP connections; once with blocking writes
+    /// from one thread (the bare kernel cost) and once from one tokio task per connection.
+    #[arg(long)]
+    floor: bool,
     /// Shared-memory reader processes.
     #[arg(long = "shm-readers", default_value_t = 1)]
     shm_readers: usize,
@@ -81,6 +87,35 @@ pub(super) struct BenchReaderArgs {
     spin: bool,
 }
 
+/// `kvbridge bench-floor` (internal: the sender process of `bench --floor`).
+#[derive(clap::Args, Debug)]
+pub(super) struct BenchFloorArgs {
+    #[arg(long)]
+    connect: String,
+    #[arg(long)]
+    connections: usize,
+    #[arg(long)]
+    rate: u64,
+    #[arg(long)]
+    bytes: usize,
+    #[arg(long = "run-ms")]
+    run_ms: u64,
+    #[arg(long, value_enum)]
+    sender: bench::floor::FloorSender,
+}
+
+pub(super) fn run_floor_sender(a: BenchFloorArgs) -> Result<(), CliError> {
+    bench::floor::run_sender(
+        &a.connect,
+        a.connections,
+        a.rate,
+        a.bytes,
+        Duration::from_millis(a.run_ms),
+        a.sender,
+    )
+    .map_err(CliError::Failed)
+}
+
 pub(super) fn run_reader(a: BenchReaderArgs) -> Result<(), CliError> {
     bench::reader::run_reader(
         &a.shm,
@@ -123,7 +158,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     let rt = super::runtime()?;
     let ctx = zmq::Context::new();
     let mut nats_metrics: Option<std::net::SocketAddr> = None;
-    let (grpc, shm, pid, engine, _own) = match &a.grpc {
+    let (grpc, shm, pid, engine, own) = match &a.grpc {
         Some(g) => {
             let ep = a
                 .engine_bind
@@ -257,7 +292,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     });
     let result = rt.block_on(bench::measure(&cfg, &publisher, progress));
     publisher.stop();
-    let result = result.map_err(CliError::Failed)?;
+    let mut result = result.map_err(CliError::Failed)?;
     print!("{}", bench::table(&result));
     if let (Some(m), Some(before)) = (nats_metrics, sink_before) {
         let before = before
@@ -271,6 +306,37 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             result.bridge_cpu_seconds,
         );
         print!("{}", s.table(a.nats_replicas));
+    }
+    if a.floor {
+        // The bridge this bench started is stopped first: the floor runs alone.
+        drop(own);
+        // A gRPC frame on the wire: the record, its 5-byte gRPC prefix and the 9-byte HTTP/2
+        // DATA frame header; a connection carries one per subscriber on it per batch.
+        let per_conn = cfg.subscribers.div_ceil(cfg.connections).max(1);
+        let record = (result.delivered_mb * 1e6 / result.grpc.delivered.max(1) as f64).round();
+        for sender in [
+            bench::floor::FloorSender::Blocking,
+            bench::floor::FloorSender::Tokio,
+        ] {
+            let f = bench::floor::FloorConfig {
+                rate: cfg.rate,
+                duration: cfg.duration,
+                warmup: cfg.warmup,
+                connections: cfg.connections,
+                message_bytes: per_conn * (record as usize + 14),
+                batches_per_message: per_conn,
+                sender,
+                count_syscalls: cfg.count_syscalls,
+            };
+            let r = rt
+                .block_on(bench::floor::measure(&f))
+                .map_err(CliError::Failed)?;
+            print!(
+                "{}",
+                bench::floor::table(&r, result.cpu_us_per_delivered_batch)
+            );
+            result.floor.push(r);
+        }
     }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&result).expect("serializable");

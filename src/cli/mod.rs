@@ -40,6 +40,9 @@ enum Command {
     /// One shared-memory reader process of `bench` (internal).
     #[command(hide = true)]
     BenchReader(bench::BenchReaderArgs),
+    /// The sender process of `bench --floor` (internal).
+    #[command(hide = true)]
+    BenchFloor(bench::BenchFloorArgs),
 }
 
 /// A failure that ends the command, with its exit code.
@@ -72,6 +75,7 @@ pub fn main() -> i32 {
         Command::Demo(a) => demo::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchReader(a) => bench::run_reader(a),
+        Command::BenchFloor(a) => bench::run_floor_sender(a),
     };
     match result {
         Ok(()) => 0,
