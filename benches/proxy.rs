@@ -8,6 +8,11 @@
 //! ```
 //!
 //! Rows:
+//! - **the floor**: a trivial opaque relay between the same client and engine, in a process of
+//!   its own as kvbridge is (this binary, re-run as [`relay`]): it copies bytes both ways with no
+//!   HTTP/2 parsing, one blocking thread per direction. What it adds over direct is the cost of
+//!   a second process hop on this machine (two more socket crossings and a wake-up of one more
+//!   process), which no sidecar can avoid;
 //! - **latency per streamed message**: a `Ticks` stream (one 64-byte message per ms, stamped
 //!   with the engine's send time); latency = receive time − send time, per message; p50 / p99
 //!   direct and through the sidecar, and their difference (the latency kvbridge adds);
@@ -119,7 +124,88 @@ async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
     (total as f64 / started.elapsed().as_secs_f64(), total)
 }
 
+/// Environment variable under which this binary runs as [`relay`] instead of the benchmark.
+const RELAY_ENV: &str = "PROXY_BENCH_RELAY_TO";
+
+/// The floor: a trivial opaque TCP relay to the address in [`RELAY_ENV`]. It listens on an
+/// ephemeral loopback port, prints it on stdout, and for each connection copies bytes
+/// client → engine and engine → client, each direction on a blocking thread of its own (a
+/// `read` wakes the thread that `write`s: no event loop, no HTTP/2, no buffering beyond one
+/// read), with `TCP_NODELAY` on both sockets, as kvbridge sets.
+fn relay(target: &str) {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    println!("{}", listener.local_addr().unwrap());
+    std::io::stdout().flush().unwrap();
+    fn pump(mut from: TcpStream, mut to: TcpStream) {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    }
+    for client in listener.incoming() {
+        let Ok(client) = client else { continue };
+        let Ok(engine) = TcpStream::connect(target) else {
+            continue;
+        };
+        client.set_nodelay(true).unwrap();
+        engine.set_nodelay(true).unwrap();
+        let (c2, e2) = (client.try_clone().unwrap(), engine.try_clone().unwrap());
+        std::thread::spawn(move || pump(client, engine));
+        std::thread::spawn(move || pump(e2, c2));
+    }
+}
+
+/// A [`relay`] child process in front of `target`, killed when dropped.
+struct RelayProcess {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl RelayProcess {
+    fn start(target: &str) -> RelayProcess {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .env(RELAY_ENV, target)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        RelayProcess {
+            child,
+            addr: line.trim().to_string(),
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Rounds the paced latency streams are split into, taken in turn on each path (direct, relay,
+/// sidecar), so that a change in the machine's background load during the run falls on all
+/// three alike.
+const ROUNDS: u32 = 3;
+
 fn main() {
+    if let Ok(target) = std::env::var(RELAY_ENV) {
+        return relay(&target);
+    }
     // `cargo bench` passes `--bench`; nothing else is taken.
     let ticks = env_u32("PROXY_BENCH_TICKS", 3000);
     let per_stream = env_u32("PROXY_BENCH_MESSAGES", 10_000);
@@ -144,43 +230,64 @@ fn main() {
         .map(|s| s.to_string())
         .collect();
         let bridge = common::Bridge::start(dir.path(), &dir.path().join("ring"), &args);
-        let direct_url = format!("http://{}", engine.addr);
-        let sidecar_url = bridge.url();
-        let (direct, sidecar) = (channel(&direct_url).await, channel(&sidecar_url).await);
+        let relay = RelayProcess::start(&engine.addr.to_string());
+        let urls = [
+            format!("http://{}", engine.addr),
+            format!("http://{}", relay.addr),
+            bridge.url(),
+        ];
+        let mut chans = Vec::new();
+        for u in &urls {
+            chans.push(channel(u).await);
+        }
         // Warm-up: connections, pools, allocator.
-        tick_latencies(&direct, 200).await;
-        tick_latencies(&sidecar, 200).await;
-
-        let mut d = tick_latencies(&direct, ticks).await;
-        let mut s = tick_latencies(&sidecar, ticks).await;
-        d.sort_unstable();
-        s.sort_unstable();
+        for ch in &chans {
+            tick_latencies(ch, 200).await;
+        }
+        let mut lat = [Vec::new(), Vec::new(), Vec::new()];
+        let per_round = ticks.div_ceil(ROUNDS);
+        for _ in 0..ROUNDS {
+            for (ch, l) in chans.iter().zip(&mut lat) {
+                l.extend(tick_latencies(ch, per_round).await);
+            }
+        }
+        for l in &mut lat {
+            l.sort_unstable();
+        }
+        let [d, r, s] = &lat;
+        let n = d.len();
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        println!("sidecar benchmark ({cores} cores; engine and client in this process, kvbridge a child process)");
+        println!("sidecar benchmark ({cores} cores; engine and client in this process, kvbridge and the relay child processes)");
         println!();
-        println!("| row | direct | through kvbridge | difference |");
-        println!("|---|---|---|---|");
+        println!("| row | direct | trivial TCP relay (floor) | through kvbridge | relay − direct | kvbridge − direct | kvbridge − relay |");
+        println!("|---|---|---|---|---|---|---|");
         for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
-            let (a, b) = (pct(&d, p), pct(&s, p));
+            let (a, b, c) = (pct(d, p), pct(r, p), pct(s, p));
             println!(
-                "| latency per streamed message, {name} ({ticks} msgs, 1/ms) | {a:.1} µs | {b:.1} µs | +{:.1} µs |",
-                b - a
+                "| latency per streamed message, {name} ({n} msgs, 1/ms) | {a:.1} µs | {b:.1} µs | {c:.1} µs | {:+.1} µs | {:+.1} µs | {:+.1} µs |",
+                b - a,
+                c - a,
+                c - b
             );
         }
 
-        let (direct_rate, _) = throughput(&direct_url, per_stream).await;
+        let (direct_rate, _) = throughput(&urls[0], per_stream).await;
+        let (relay_rate, _) = throughput(&urls[1], per_stream).await;
         let cpu0 = bridge.cpu_time();
-        let (sidecar_rate, forwarded) = throughput(&sidecar_url, per_stream).await;
+        let (sidecar_rate, forwarded) = throughput(&urls[2], per_stream).await;
         let cpu = bridge.cpu_time() - cpu0;
         println!(
-            "| throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | {direct_rate:.0} msg/s | {sidecar_rate:.0} msg/s | {:.1} % of direct |",
+            "| throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | {direct_rate:.0} msg/s | {relay_rate:.0} msg/s ({:.1} %) | {sidecar_rate:.0} msg/s | | {:.1} % of direct | |",
+            100.0 * relay_rate / direct_rate,
             100.0 * sidecar_rate / direct_rate
         );
         println!(
-            "| sidecar CPU per forwarded message | — | {:.2} µs | ({:.2} s CPU for {forwarded} messages) |",
+            "| sidecar CPU per forwarded message | — | — | {:.2} µs | | ({:.2} s CPU for {forwarded} messages) | |",
             cpu.as_secs_f64() * 1e6 / forwarded as f64,
             cpu.as_secs_f64()
         );
+        drop(chans);
+        drop(relay);
         drop(engine);
         drop(zmq);
         bridge
