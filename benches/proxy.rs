@@ -13,6 +13,9 @@
 //!   HTTP/2 parsing, one blocking thread per direction. What it adds over direct is the cost of
 //!   a second process hop on this machine (two more socket crossings and a wake-up of one more
 //!   process), which no sidecar can avoid;
+//! - **CPU per paced message**: the relay's and kvbridge's on-CPU time (all threads) during
+//!   their own paced streams, per message: the work each does per message, as opposed to the
+//!   time it waits to be scheduled;
 //! - **latency per streamed message**: a `Ticks` stream (one 64-byte message per ms, stamped
 //!   with the engine's send time); latency = receive time − send time, per message; p50 / p99
 //!   direct and through the sidecar, and their difference (the latency kvbridge adds);
@@ -197,6 +200,20 @@ impl Drop for RelayProcess {
     }
 }
 
+/// CPU time (ns, on-CPU time of all its threads, from `/proc/PID/task/*/schedstat`) process
+/// `pid` has used so far: finer than `/proc/PID/stat`'s clock ticks, which a paced stream of a
+/// few thousand messages barely moves.
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// Rounds the paced latency streams are split into, taken in turn on each path (direct, relay,
 /// sidecar), so that a change in the machine's background load during the run falls on all
 /// three alike.
@@ -245,10 +262,15 @@ fn main() {
             tick_latencies(ch, 200).await;
         }
         let mut lat = [Vec::new(), Vec::new(), Vec::new()];
+        // CPU the relay and kvbridge spend while their own paced stream runs.
+        let pids = [None, Some(relay.child.id()), Some(bridge.child.id())];
+        let mut cpu = [0u64; 3];
         let per_round = ticks.div_ceil(ROUNDS);
         for _ in 0..ROUNDS {
-            for (ch, l) in chans.iter().zip(&mut lat) {
-                l.extend(tick_latencies(ch, per_round).await);
+            for (i, ch) in chans.iter().enumerate() {
+                let before = pids[i].map_or(0, cpu_ns);
+                lat[i].extend(tick_latencies(ch, per_round).await);
+                cpu[i] += pids[i].map_or(0, cpu_ns) - before;
             }
         }
         for l in &mut lat {
@@ -270,6 +292,12 @@ fn main() {
                 c - b
             );
         }
+        println!(
+            "| CPU per paced message (all threads) | — | {:.1} µs | {:.1} µs | | | {:+.1} µs |",
+            cpu[1] as f64 / 1e3 / n as f64,
+            cpu[2] as f64 / 1e3 / n as f64,
+            (cpu[2] as f64 - cpu[1] as f64) / 1e3 / n as f64
+        );
 
         let (direct_rate, _) = throughput(&urls[0], per_stream).await;
         let (relay_rate, _) = throughput(&urls[1], per_stream).await;
