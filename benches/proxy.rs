@@ -12,7 +12,9 @@
 //!   its own as kvbridge is (this binary, re-run as [`relay`]): it copies bytes both ways with no
 //!   HTTP/2 parsing, one blocking thread per direction. What it adds over direct is the cost of
 //!   a second process hop on this machine (two more socket crossings and a wake-up of one more
-//!   process), which no sidecar can avoid;
+//!   process), which no sidecar can avoid; beside it the same relay on an event loop
+//!   ([`event_loop_relay`]), the floor for a sidecar that multiplexes connections on a few
+//!   threads, as kvbridge does;
 //! - **CPU per paced message**: the relay's and kvbridge's on-CPU time (all threads) during
 //!   their own paced streams, per message: the work each does per message, as opposed to the
 //!   time it waits to be scheduled;
@@ -127,8 +129,41 @@ async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
     (total as f64 / started.elapsed().as_secs_f64(), total)
 }
 
-/// Environment variable under which this binary runs as [`relay`] instead of the benchmark.
+/// Environment variable under which this binary runs as [`relay`] (or [`event_loop_relay`])
+/// instead of the benchmark.
 const RELAY_ENV: &str = "PROXY_BENCH_RELAY_TO";
+/// Set (to anything) with [`RELAY_ENV`]: the relay is [`event_loop_relay`].
+const EVENT_LOOP_ENV: &str = "PROXY_BENCH_RELAY_EVENT_LOOP";
+
+/// The floor for a sidecar built on an event loop, as kvbridge is: the same opaque relay on a
+/// one-thread tokio runtime (`epoll`), `copy_bidirectional` per connection. What it adds over
+/// [`relay`] is the event loop's price (an `epoll_wait` per wake-up); what kvbridge adds over it
+/// is HTTP/2.
+fn event_loop_relay(target: &str) {
+    use std::io::Write;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{}", listener.local_addr().unwrap());
+        std::io::stdout().flush().unwrap();
+        loop {
+            let Ok((mut client, _)) = listener.accept().await else {
+                continue;
+            };
+            let Ok(mut engine) = tokio::net::TcpStream::connect(target).await else {
+                continue;
+            };
+            client.set_nodelay(true).unwrap();
+            engine.set_nodelay(true).unwrap();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut engine).await;
+            });
+        }
+    });
+}
 
 /// The floor: a trivial opaque TCP relay to the address in [`RELAY_ENV`]. It listens on an
 /// ephemeral loopback port, prints it on stdout, and for each connection copies bytes
@@ -175,9 +210,13 @@ struct RelayProcess {
 }
 
 impl RelayProcess {
-    fn start(target: &str) -> RelayProcess {
+    fn start(target: &str, event_loop: bool) -> RelayProcess {
         use std::io::BufRead;
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        if event_loop {
+            cmd.env(EVENT_LOOP_ENV, "1");
+        }
+        let mut child = cmd
             .env(RELAY_ENV, target)
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -221,7 +260,11 @@ const ROUNDS: u32 = 3;
 
 fn main() {
     if let Ok(target) = std::env::var(RELAY_ENV) {
-        return relay(&target);
+        return if std::env::var_os(EVENT_LOOP_ENV).is_some() {
+            event_loop_relay(&target)
+        } else {
+            relay(&target)
+        };
     }
     // `cargo bench` passes `--bench`; nothing else is taken.
     let ticks = env_u32("PROXY_BENCH_TICKS", 3000);
@@ -247,10 +290,12 @@ fn main() {
         .map(|s| s.to_string())
         .collect();
         let bridge = common::Bridge::start(dir.path(), &dir.path().join("ring"), &args);
-        let relay = RelayProcess::start(&engine.addr.to_string());
+        let relay = RelayProcess::start(&engine.addr.to_string(), false);
+        let evloop = RelayProcess::start(&engine.addr.to_string(), true);
         let urls = [
             format!("http://{}", engine.addr),
             format!("http://{}", relay.addr),
+            format!("http://{}", evloop.addr),
             bridge.url(),
         ];
         let mut chans = Vec::new();
@@ -261,10 +306,15 @@ fn main() {
         for ch in &chans {
             tick_latencies(ch, 200).await;
         }
-        let mut lat = [Vec::new(), Vec::new(), Vec::new()];
-        // CPU the relay and kvbridge spend while their own paced stream runs.
-        let pids = [None, Some(relay.child.id()), Some(bridge.child.id())];
-        let mut cpu = [0u64; 3];
+        let mut lat = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        // CPU the relays and kvbridge spend while their own paced stream runs.
+        let pids = [
+            None,
+            Some(relay.child.id()),
+            Some(evloop.child.id()),
+            Some(bridge.child.id()),
+        ];
+        let mut cpu = [0u64; 4];
         let per_round = ticks.div_ceil(ROUNDS);
         for _ in 0..ROUNDS {
             for (i, ch) in chans.iter().enumerate() {
@@ -276,46 +326,62 @@ fn main() {
         for l in &mut lat {
             l.sort_unstable();
         }
-        let [d, r, s] = &lat;
-        let n = d.len();
+        let n = lat[0].len();
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        println!("sidecar benchmark ({cores} cores; engine and client in this process, kvbridge and the relay child processes)");
+        println!("sidecar benchmark ({cores} cores; engine and client in this process, kvbridge and the relays child processes)");
         println!();
-        println!("| row | direct | trivial TCP relay (floor) | through kvbridge | relay − direct | kvbridge − direct | kvbridge − relay |");
-        println!("|---|---|---|---|---|---|---|");
+        println!("| row | direct | blocking relay (floor) | event-loop relay | through kvbridge | blocking relay − direct | event-loop relay − direct | kvbridge − direct | kvbridge − event-loop relay |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
-            let (a, b, c) = (pct(d, p), pct(r, p), pct(s, p));
+            let v: Vec<f64> = lat.iter().map(|l| pct(l, p)).collect();
             println!(
-                "| latency per streamed message, {name} ({n} msgs, 1/ms) | {a:.1} µs | {b:.1} µs | {c:.1} µs | {:+.1} µs | {:+.1} µs | {:+.1} µs |",
-                b - a,
-                c - a,
-                c - b
+                "| latency per streamed message, {name} ({n} msgs, 1/ms) | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:+.1} µs | {:+.1} µs | {:+.1} µs | {:+.1} µs |",
+                v[0], v[1], v[2], v[3],
+                v[1] - v[0],
+                v[2] - v[0],
+                v[3] - v[0],
+                v[3] - v[2]
             );
         }
+        let per_msg = |c: u64| c as f64 / 1e3 / n as f64;
         println!(
-            "| CPU per paced message (all threads) | — | {:.1} µs | {:.1} µs | | | {:+.1} µs |",
-            cpu[1] as f64 / 1e3 / n as f64,
-            cpu[2] as f64 / 1e3 / n as f64,
-            (cpu[2] as f64 - cpu[1] as f64) / 1e3 / n as f64
+            "| CPU per paced message (all threads) | — | {:.1} µs | {:.1} µs | {:.1} µs | | | | {:+.1} µs |",
+            per_msg(cpu[1]),
+            per_msg(cpu[2]),
+            per_msg(cpu[3]),
+            per_msg(cpu[3]) - per_msg(cpu[2])
         );
 
-        let (direct_rate, _) = throughput(&urls[0], per_stream).await;
-        let (relay_rate, _) = throughput(&urls[1], per_stream).await;
-        let cpu0 = bridge.cpu_time();
-        let (sidecar_rate, forwarded) = throughput(&urls[2], per_stream).await;
-        let cpu = bridge.cpu_time() - cpu0;
+        let mut rates = Vec::new();
+        let mut sidecar = (0, std::time::Duration::ZERO);
+        for (i, url) in urls.iter().enumerate() {
+            let cpu0 = bridge.cpu_time();
+            let (rate, forwarded) = throughput(url, per_stream).await;
+            if i == 3 {
+                sidecar = (forwarded, bridge.cpu_time() - cpu0);
+            }
+            rates.push(rate);
+        }
+        let pct_of = |r: f64| 100.0 * r / rates[0];
         println!(
-            "| throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | {direct_rate:.0} msg/s | {relay_rate:.0} msg/s ({:.1} %) | {sidecar_rate:.0} msg/s | | {:.1} % of direct | |",
-            100.0 * relay_rate / direct_rate,
-            100.0 * sidecar_rate / direct_rate
+            "| throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | {:.0} msg/s | {:.0} msg/s ({:.1} %) | {:.0} msg/s ({:.1} %) | {:.0} msg/s | | | {:.1} % of direct | |",
+            rates[0],
+            rates[1],
+            pct_of(rates[1]),
+            rates[2],
+            pct_of(rates[2]),
+            rates[3],
+            pct_of(rates[3])
         );
+        let (forwarded, cpu) = sidecar;
         println!(
-            "| sidecar CPU per forwarded message | — | — | {:.2} µs | | ({:.2} s CPU for {forwarded} messages) | |",
+            "| sidecar CPU per forwarded message | — | — | — | {:.2} µs | | | ({:.2} s CPU for {forwarded} messages) | |",
             cpu.as_secs_f64() * 1e6 / forwarded as f64,
             cpu.as_secs_f64()
         );
         drop(chans);
         drop(relay);
+        drop(evloop);
         drop(engine);
         drop(zmq);
         bridge
