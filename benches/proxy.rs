@@ -1,28 +1,33 @@
 //! Sidecar mode (issue 9), side by side in one run: the same test engine (`tests/common/
-//! grpc_engine.rs`, in this process) reached directly and through `kvbridge serve --engine-grpc`
-//! (the release binary, a child process).
+//! grpc_engine.rs`, in this process) reached directly, through two trivial relays (the floor) and
+//! through `kvbridge serve --engine-grpc` (the release binary, a child process).
 //!
 //! ```text
-//! cargo bench --bench proxy              # a few seconds per row
-//! PROXY_BENCH_TICKS=5000 PROXY_BENCH_MESSAGES=20000 cargo bench --bench proxy
+//! cargo bench --bench proxy              # about 20 s
+//! PROXY_BENCH_TICKS=6000 PROXY_BENCH_MESSAGES=20000 cargo bench --bench proxy
 //! ```
 //!
+//! Paths (columns):
+//! - **direct**: the client's channel to the engine;
+//! - **blocking relay**, the floor: a trivial opaque relay between the same client and engine,
+//!   in a process of its own as kvbridge is (this binary, re-run as [`relay`]), copying bytes
+//!   both ways with no HTTP/2 parsing, one blocking thread per direction. What it adds over
+//!   direct is the cost of a second process hop on this machine (two more socket crossings and
+//!   the wake-up of one more process);
+//! - **event-loop relay**: the same relay on a one-thread tokio runtime ([`event_loop_relay`]),
+//!   the floor for a sidecar that multiplexes many streams and connections on a few threads, as
+//!   an HTTP/2 proxy with an engine connection pool must;
+//! - **through kvbridge**.
+//!
 //! Rows:
-//! - **the floor**: a trivial opaque relay between the same client and engine, in a process of
-//!   its own as kvbridge is (this binary, re-run as [`relay`]): it copies bytes both ways with no
-//!   HTTP/2 parsing, one blocking thread per direction. What it adds over direct is the cost of
-//!   a second process hop on this machine (two more socket crossings and a wake-up of one more
-//!   process), which no sidecar can avoid; beside it the same relay on an event loop
-//!   ([`event_loop_relay`]), the floor for a sidecar that multiplexes connections on a few
-//!   threads, as kvbridge does;
-//! - **CPU per paced message**: the relay's and kvbridge's on-CPU time (all threads) during
-//!   their own paced streams, per message: the work each does per message, as opposed to the
-//!   time it waits to be scheduled;
 //! - **latency per streamed message**: a `Ticks` stream (one 64-byte message per ms, stamped
 //!   with the engine's send time); latency = receive time − send time, per message; p50 / p99
-//!   direct and through the sidecar, and their difference (the latency kvbridge adds);
+//!   on each path, and what each adds over direct (kvbridge's also over the event-loop relay);
+//! - **CPU per paced message**: the relays' and kvbridge's on-CPU time (all threads) during
+//!   their own paced streams, per message: the work each does per message, as opposed to the
+//!   time it waits to be scheduled;
 //! - **throughput at 64 concurrent streams**: 64 `Generate` streams of small (64-byte) messages
-//!   read as fast as they come; messages/s direct and through the sidecar, and the ratio;
+//!   read as fast as they come; messages/s on each path, and the ratio to direct;
 //! - **sidecar CPU per forwarded message**: kvbridge's user + system CPU time over the
 //!   throughput run divided by the messages it forwarded.
 
@@ -253,9 +258,9 @@ fn cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
-/// Rounds the paced latency streams are split into, taken in turn on each path (direct, relay,
-/// sidecar), so that a change in the machine's background load during the run falls on all
-/// three alike.
+/// Rounds the paced latency streams are split into, taken in turn on each path (direct, the
+/// relays, kvbridge), so that a change in the machine's background load during the run falls on
+/// all of them alike.
 const ROUNDS: u32 = 3;
 
 fn main() {
