@@ -316,13 +316,13 @@ impl Edge {
     /// Serves on an already-bound listener (bound early, so an occupied port is a start-up
     /// error) until `shutdown` resolves. Connections come from our own accept loop
     /// ([`crate::net::Acceptor`]: no spinning when descriptors run out), each wrapped in a
-    /// [`crate::net::EdgeIo`] (TLS, handshake deadline).
+    /// [`crate::net::EdgeIo`] (TLS, handshake deadline). In sidecar mode all of it runs on the
+    /// sidecar's own runtime ([`crate::proxy::Sidecar::spawn`]).
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
-        shutdown: impl std::future::Future<Output = ()> + Send,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), tonic::transport::Error> {
-        use crate::net::{tune, Acceptor, EdgeIo};
         let Edge {
             routes,
             max_streams,
@@ -333,45 +333,82 @@ impl Edge {
             metrics,
         } = self;
         // Aborted when serving ends (the handle is dropped with this future too).
-        let watcher = reload
+        let _watcher = reload
             .map(|files| AbortOnDrop(tokio::spawn(crate::secrets::watch(secrets.clone(), files))));
-        let acceptor = Acceptor::new(listener, "grpc", metrics.accept_errors.clone());
-        let timeouts = metrics.handshake_timeouts.clone();
-        let incoming = futures_util::stream::unfold(acceptor, move |mut acceptor| {
-            let (secrets, timeouts) = (secrets.clone(), timeouts.clone());
-            async move {
-                let sock = acceptor.accept().await;
-                tune(&sock);
-                // The certificate current at accept time; a later rotation leaves this
-                // connection's session alone.
-                let tls = secrets.tls();
-                let io = EdgeIo::new(sock, tls.as_deref(), handshake_timeout, timeouts);
-                Some((io, acceptor))
-            }
-        });
         if let Some(sidecar) = sidecar {
-            // Sidecar mode: kvbridge's routes for its own paths, the engine for the rest.
+            // Sidecar mode: kvbridge's routes for its own paths, the engine for the rest, all on
+            // the sidecar's own runtime (see `crate::proxy`), the listener included.
             let max_streams =
                 max_streams.unwrap_or(crate::config::PROXY_MAX_STREAMS_PER_CONNECTION);
-            sidecar.serve(routes, incoming, max_streams, shutdown).await;
-            drop(watcher);
+            let listener = match listener.into_std() {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "gRPC listener unusable");
+                    return Ok(());
+                }
+            };
+            let s = sidecar.clone();
+            let task = AbortOnDrop(sidecar.spawn(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "gRPC listener unusable");
+                        return;
+                    }
+                };
+                let incoming = incoming(listener, secrets, handshake_timeout, &metrics);
+                s.serve(routes, incoming, max_streams, shutdown).await;
+            }));
+            let _ = task.wait().await;
             return Ok(());
         }
         // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
         // deadline (tonic's own TLS would hold a silent client's handshake open forever).
         use futures_util::StreamExt;
-        let r = server_builder()
+        let incoming = incoming(listener, secrets, handshake_timeout, &metrics);
+        server_builder()
             .max_concurrent_streams(max_streams)
             .add_routes(routes)
             .serve_with_incoming_shutdown(incoming.map(Ok::<_, std::io::Error>), shutdown)
-            .await;
-        drop(watcher);
-        r
+            .await
     }
+}
+
+/// Connections from our own accept loop ([`crate::net::Acceptor`]: no spinning when
+/// descriptors run out), each tuned and wrapped in a [`crate::net::EdgeIo`] (TLS, handshake
+/// deadline).
+fn incoming(
+    listener: tokio::net::TcpListener,
+    secrets: Arc<crate::secrets::Secrets>,
+    handshake_timeout: Duration,
+    metrics: &crate::metrics::Metrics,
+) -> impl Stream<Item = crate::net::EdgeIo> + Send {
+    use crate::net::{tune, Acceptor, EdgeIo};
+    let acceptor = Acceptor::new(listener, "grpc", metrics.accept_errors.clone());
+    let timeouts = metrics.handshake_timeouts.clone();
+    futures_util::stream::unfold(acceptor, move |mut acceptor| {
+        let (secrets, timeouts) = (secrets.clone(), timeouts.clone());
+        async move {
+            let sock = acceptor.accept().await;
+            tune(&sock);
+            // The certificate current at accept time; a later rotation leaves this
+            // connection's session alone.
+            let tls = secrets.tls();
+            let io = EdgeIo::new(sock, tls.as_deref(), handshake_timeout, timeouts);
+            Some((io, acceptor))
+        }
+    })
 }
 
 /// Aborts the task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl AbortOnDrop {
+    /// Waits for the task to end (aborted if this future is dropped first).
+    async fn wait(mut self) -> Result<(), tokio::task::JoinError> {
+        (&mut self.0).await
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
