@@ -40,6 +40,9 @@ enum Command {
     /// One shared-memory reader process of `bench` (internal).
     #[command(hide = true)]
     BenchReader(bench::BenchReaderArgs),
+    /// The bare JetStream publisher of `bench --nats-floor` (internal).
+    #[command(hide = true)]
+    BenchNatsFloor(bench::BenchNatsFloorArgs),
 }
 
 /// A failure that ends the command, with its exit code.
@@ -72,6 +75,7 @@ pub fn main() -> i32 {
         Command::Demo(a) => demo::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchReader(a) => bench::run_reader(a),
+        Command::BenchNatsFloor(a) => bench::run_nats_floor(a),
     };
     match result {
         Ok(()) => 0,
