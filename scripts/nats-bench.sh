@@ -12,6 +12,8 @@
 # JetStream ack) and the bridge's CPU per published batch.
 #
 #   scripts/nats-bench.sh [RATE [SECONDS [SUBSCRIBERS]]]      # default 10000 10 1
+#   FLOOR_R1=1 scripts/nats-bench.sh ...    # also the floor into a 1-replica stream (what
+#                                           # the replication itself costs)
 #
 # Route ports are taken from the kernel (bind port 0, release) because every node's --routes must
 # name them before it starts; client ports are chosen by nats-server (-p -1) and read from its log.
@@ -56,6 +58,12 @@ echo
 echo "== floor: bare async-nats publisher into the same 3-replica stream (no sink), same load"
 "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
     --nats "$URLS" --nats-replicas 3 --nats-floor
+if [ -n "${FLOOR_R1:-}" ]; then
+    echo
+    echo "== floor into a 1-replica stream (no replication), same load"
+    "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
+        --nats "$URLS" --nats-replicas 1 --nats-floor
+fi
 echo
 echo "== with the NATS sink (3-replica stream on a 3-node cluster): same load"
 "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \

@@ -10,6 +10,17 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
+/// The bench's stream for `replicas` (one per replica count: streams may not share subjects,
+/// and an existing stream with other replicas would be a mismatch).
+pub fn bench_stream(replicas: usize) -> String {
+    format!("KVBENCH_R{replicas}")
+}
+
+/// The bench's subject prefix for `replicas` (see [`bench_stream`]).
+pub fn bench_prefix(replicas: usize) -> String {
+    format!("kvbench_r{replicas}")
+}
+
 /// Samples of the sink's metrics: published count and the lag histogram's cumulative buckets.
 #[derive(Clone, Debug, Default)]
 pub struct SinkSample {
@@ -234,8 +245,8 @@ pub mod floor {
     pub async fn run(cfg: FloorConfig) -> Result<FloorFigures, String> {
         let ncfg = NatsConfig {
             urls: cfg.urls.clone(),
-            subject_prefix: "kvbench".into(),
-            stream: "KVBENCH".into(),
+            subject_prefix: super::bench_prefix(cfg.replicas),
+            stream: super::bench_stream(cfg.replicas),
             replicas: cfg.replicas,
             max_age: Duration::from_secs(600),
             worker_id: None,
@@ -254,7 +265,8 @@ pub mod floor {
         let payload_bytes =
             pool.iter().map(|b| b.len()).sum::<usize>() as f64 / pool.len().max(1) as f64;
         let pid = std::process::id();
-        let subject = async_nats::Subject::from(format!("kvbench.floor-{pid}.merged"));
+        let subject =
+            async_nats::Subject::from(format!("{}.floor-{pid}.merged", ncfg.subject_prefix));
         let ring_id = format!("{:016x}", crate::clock::unix_nanos() ^ u64::from(pid));
 
         // The clock: a thread hands out (index, scheduled Unix ns) at the rate, like commits
@@ -273,17 +285,11 @@ pub mod floor {
                 for i in 0..total {
                     let off = Duration::from_nanos((i as f64 * period_ns) as u64);
                     let due = start + off;
-                    loop {
-                        let now = Instant::now();
-                        if now >= due {
-                            break;
-                        }
-                        let left = due - now;
-                        if left > Duration::from_micros(15) {
-                            std::thread::sleep(left - Duration::from_micros(10));
-                        } else {
-                            std::hint::spin_loop();
-                        }
+                    // Sleep only (no spinning): the floor must not spend a core the cluster
+                    // needs; lateness of the wake-up counts against the floor, not for it.
+                    let now = Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
                     }
                     if tx.send((i, wall0 + off.as_nanos() as u64)).is_err() {
                         return;

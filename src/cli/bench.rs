@@ -57,8 +57,9 @@ pub(super) struct BenchArgs {
     /// Ring size of the bridge the bench starts.
     #[arg(long = "ring-size", default_value = "64MiB")]
     ring_size: String,
-    /// The bridge the bench starts also publishes to these NATS servers (stream `KVBENCH`,
-    /// subjects `kvbench.>`); the result adds the sink's rate, publish lag and CPU per batch.
+    /// The bridge the bench starts also publishes to these NATS servers (stream `KVBENCH_R<n>`,
+    /// subjects `kvbench_r<n>.>`, n = --nats-replicas); the result adds the sink's rate, publish
+    /// lag and CPU per batch.
     #[arg(long, value_name = "URL[,URL…]", conflicts_with = "grpc")]
     nats: Option<String>,
     /// With --nats: the stream's replicas.
@@ -211,9 +212,9 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                     "--nats",
                     urls,
                     "--nats-stream",
-                    "KVBENCH",
+                    &bench::nats::bench_stream(a.nats_replicas),
                     "--nats-subject-prefix",
-                    "kvbench",
+                    &bench::nats::bench_prefix(a.nats_replicas),
                     "--nats-max-age",
                     "10m",
                     "--nats-worker-id",
@@ -317,19 +318,28 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             crate::bench::nats::scrape(m)
         })
     });
+    // ... and at its end (not after `measure` returns, which drains for a while longer).
+    let sink_after = nats_metrics.map(|m| {
+        let end = measure_from + cfg.duration;
+        std::thread::spawn(move || {
+            std::thread::sleep(end.saturating_duration_since(Instant::now()));
+            crate::bench::nats::scrape(m)
+        })
+    });
     let result = rt.block_on(bench::measure(&cfg, &publisher, progress));
     publisher.stop();
     let result = result.map_err(CliError::Failed)?;
     print!("{}", bench::table(&result));
-    if let (Some(m), Some(before)) = (nats_metrics, sink_before) {
-        let before = before
-            .join()
-            .map_err(|_| CliError::Failed("metrics scrape".into()))?;
-        let after = crate::bench::nats::scrape(m);
+    if let (Some(before), Some(after)) = (sink_before, sink_after) {
+        let join = |h: std::thread::JoinHandle<Result<_, String>>| {
+            h.join()
+                .map_err(|_| CliError::Failed("metrics scrape".into()))?
+                .map_err(CliError::Failed)
+        };
         let s = crate::bench::nats::SinkFigures::between(
-            &before.map_err(CliError::Failed)?,
-            &after.map_err(CliError::Failed)?,
-            result.seconds,
+            &join(before)?,
+            &join(after)?,
+            cfg.duration.as_secs_f64(),
             result.bridge_cpu_seconds,
         );
         print!("{}", s.table(a.nats_replicas));
