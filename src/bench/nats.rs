@@ -376,6 +376,31 @@ pub mod floor {
             failures,
         })
     }
+
+    #[cfg(test)]
+    mod tests {
+        use prost::Message;
+
+        #[test]
+        fn floor_payloads_are_the_records_the_bridge_would_publish() {
+            let pool = super::payloads(super::Mix::Serving);
+            assert!(pool.len() >= 256);
+            for (i, b) in pool.iter().enumerate() {
+                let batch =
+                    crate::proto::common::KvEventBatch::decode(b.as_ref()).expect("a KvEventBatch");
+                assert_eq!(batch.sequence_number, 1_000_000 + i as u64);
+                assert!(!batch.events.is_empty());
+            }
+        }
+
+        #[test]
+        fn percentiles_are_nearest_rank() {
+            let v: Vec<u64> = (1..=100).map(|i| i * 1_000_000).collect();
+            assert_eq!(super::pct(&v, 0.5), 50.0);
+            assert_eq!(super::pct(&v, 0.99), 99.0);
+            assert!(super::pct(&[], 0.5).is_nan());
+        }
+    }
 }
 
 #[cfg(test)]
