@@ -20,9 +20,9 @@
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use kvbridge::decode::{DecodeConfig, Decoder, RecordHeader};
-use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
 use kvbridge::metrics::Metrics;
 use kvbridge::ring::RingHub;
+use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
 use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics, Table, CHUNK_MAX};
 use kvbridge_shm::{RecordMeta, WriterOptions};
 

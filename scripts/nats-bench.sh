@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The NATS sink's benchmark: a three-node JetStream cluster on loopback (nats-server from
-# scripts/nats-server.sh), then `kvbridge bench` twice at the same offered rate in one go: the
-# gRPC path alone (baseline), and with the sink publishing every record to a 3-replica stream.
-# Compare the gRPC rows of the two runs (subscriber p99 with and without the sink); the second
-# run adds the sink's row: published/s, publish lag p50/p99 (commit in the ring → JetStream ack)
-# and the bridge's CPU per published batch.
+# scripts/nats-server.sh), then `kvbridge bench` three times at the same offered rate in one go:
+#   1. the gRPC path alone (baseline);
+#   2. the floor: the gRPC path, and beside it a bare async-nats JetStream publisher (no kvbridge
+#      in its path; same payloads, headers incl. Nats-Msg-Id, in-flight bound and rate) into the
+#      same 3-replica stream: its publish lag is what the cluster on this machine costs any
+#      publisher, and its gRPC rows show what the loaded cluster alone does to subscribers;
+#   3. the sink publishing every record to the 3-replica stream.
+# Compare the gRPC rows (subscriber p99 alone / with the loaded cluster / with the sink) and the
+# floor's lag with the sink's row: published/s, publish lag p50/p99 (commit in the ring →
+# JetStream ack) and the bridge's CPU per published batch.
 #
 #   scripts/nats-bench.sh [RATE [SECONDS [SUBSCRIBERS]]]      # default 10000 10 1
+#   FLOOR_R1=1 scripts/nats-bench.sh ...    # also the floor into a 1-replica stream (what
+#                                           # the replication itself costs)
 #
 # Route ports are taken from the kernel (bind port 0, release) because every node's --routes must
 # name them before it starts; client ports are chosen by nats-server (-p -1) and read from its log.
@@ -47,6 +54,16 @@ for _ in $(seq 100); do grep -q "JetStream cluster new metadata leader\|Self is 
 
 echo "== gRPC path alone: $RATE batches/s, $SECS s, $SUBS subscriber(s)"
 "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0
+echo
+echo "== floor: bare async-nats publisher into the same 3-replica stream (no sink), same load"
+"$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
+    --nats "$URLS" --nats-replicas 3 --nats-floor
+if [ -n "${FLOOR_R1:-}" ]; then
+    echo
+    echo "== floor into a 1-replica stream (no replication), same load"
+    "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
+        --nats "$URLS" --nats-replicas 1 --nats-floor
+fi
 echo
 echo "== with the NATS sink (3-replica stream on a 3-node cluster): same load"
 "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \

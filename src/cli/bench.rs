@@ -63,13 +63,54 @@ pub(super) struct BenchArgs {
     /// Ring size of the bridge the bench starts.
     #[arg(long = "ring-size", default_value = "64MiB")]
     ring_size: String,
-    /// The bridge the bench starts also publishes to these NATS servers (stream `KVBENCH`,
-    /// subjects `kvbench.>`); the result adds the sink's rate, publish lag and CPU per batch.
+    /// The bridge the bench starts also publishes to these NATS servers (stream `KVBENCH_R<n>`,
+    /// subjects `kvbench_r<n>.>`, n = --nats-replicas); the result adds the sink's rate, publish
+    /// lag and CPU per batch.
     #[arg(long, value_name = "URL[,URL…]", conflicts_with = "grpc")]
     nats: Option<String>,
     /// With --nats: the stream's replicas.
     #[arg(long = "nats-replicas", default_value_t = 3)]
     nats_replicas: usize,
+    /// With --nats: the bridge runs WITHOUT the sink, and a bare async-nats JetStream publisher
+    /// (a separate process, no kvbridge in its path) publishes the same payloads with the same
+    /// headers and in-flight bound at the same rate into the same stream: the floor of the
+    /// sink's publish lag on this machine, and the cluster's own effect on the gRPC rows.
+    #[arg(long = "nats-floor", requires = "nats")]
+    nats_floor: bool,
+}
+
+/// `kvbridge bench-nats-floor` (internal: the floor publisher process of `bench --nats-floor`).
+#[derive(clap::Args, Debug)]
+pub(super) struct BenchNatsFloorArgs {
+    #[arg(long)]
+    nats: String,
+    #[arg(long)]
+    rate: u64,
+    #[arg(long)]
+    duration: u64,
+    #[arg(long)]
+    warmup: u64,
+    #[arg(long)]
+    replicas: usize,
+    #[arg(long, value_enum)]
+    mix: Mix,
+}
+
+pub(super) fn run_nats_floor(a: BenchNatsFloorArgs) -> Result<(), CliError> {
+    let rt = super::runtime()?;
+    let cfg = bench::nats::floor::FloorConfig {
+        urls: a.nats.split(',').map(str::to_string).collect(),
+        rate: a.rate.max(1),
+        warmup: Duration::from_secs(a.warmup),
+        duration: Duration::from_secs(a.duration.max(1)),
+        replicas: a.replicas,
+        mix: a.mix,
+    };
+    let f = rt
+        .block_on(bench::nats::floor::run(cfg))
+        .map_err(CliError::Failed)?;
+    print!("{}", f.table(a.replicas));
+    Ok(())
 }
 
 /// `kvbridge bench-reader` (internal: one shared-memory reader process of the bench).
@@ -197,7 +238,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
             let mut sink_args: Vec<String> = Vec::new();
             let mut sink_metrics = None;
-            if let Some(urls) = &a.nats {
+            if let Some(urls) = a.nats.as_ref().filter(|_| !a.nats_floor) {
                 let m = std::net::TcpListener::bind("127.0.0.1:0")
                     .and_then(|l| l.local_addr())
                     .map_err(|e| CliError::Setup(e.to_string()))?;
@@ -206,9 +247,9 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                     "--nats",
                     urls,
                     "--nats-stream",
-                    "KVBENCH",
+                    &bench::nats::bench_stream(a.nats_replicas),
                     "--nats-subject-prefix",
-                    "kvbench",
+                    &bench::nats::bench_prefix(a.nats_replicas),
                     "--nats-max-age",
                     "10m",
                     "--nats-worker-id",
@@ -263,6 +304,28 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             (grpc, shm, Some(pid), p, Some(own))
         }
     };
+    // The floor publisher sets itself up while the bridge's SUB connects.
+    let floor = match (&a.nats, a.nats_floor) {
+        (Some(urls), true) => {
+            let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
+            let mix = clap::ValueEnum::to_possible_value(&a.mix)
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_else(|| "serving".into());
+            let child = Command::new(exe)
+                .arg("bench-nats-floor")
+                .args(["--nats", urls, "--mix", &mix])
+                .args(["--rate", &a.rate.to_string()])
+                .args(["--duration", &a.duration.to_string()])
+                .args(["--warmup", &a.warmup.to_string()])
+                .args(["--replicas", &a.nats_replicas.to_string()])
+                .env("RUST_LOG", "error")
+                .stdout(Stdio::piped())
+                .spawn()
+                .map_err(|e| CliError::Setup(format!("cannot start the floor publisher: {e}")))?;
+            Some(child)
+        }
+        _ => None,
+    };
     // Give the bridge's SUB time to connect before the clock starts.
     std::thread::sleep(Duration::from_millis(300));
     let cfg = BenchConfig {
@@ -290,22 +353,43 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             crate::bench::nats::scrape(m)
         })
     });
+    // ... and at its end (not after `measure` returns, which drains for a while longer).
+    let sink_after = nats_metrics.map(|m| {
+        let end = measure_from + cfg.duration;
+        std::thread::spawn(move || {
+            std::thread::sleep(end.saturating_duration_since(Instant::now()));
+            crate::bench::nats::scrape(m)
+        })
+    });
     let result = rt.block_on(bench::measure(&cfg, &publisher, progress));
     publisher.stop();
     let mut result = result.map_err(CliError::Failed)?;
     print!("{}", bench::table(&result));
-    if let (Some(m), Some(before)) = (nats_metrics, sink_before) {
-        let before = before
-            .join()
-            .map_err(|_| CliError::Failed("metrics scrape".into()))?;
-        let after = crate::bench::nats::scrape(m);
+    if let (Some(before), Some(after)) = (sink_before, sink_after) {
+        let join = |h: std::thread::JoinHandle<Result<_, String>>| {
+            h.join()
+                .map_err(|_| CliError::Failed("metrics scrape".into()))?
+                .map_err(CliError::Failed)
+        };
         let s = crate::bench::nats::SinkFigures::between(
-            &before.map_err(CliError::Failed)?,
-            &after.map_err(CliError::Failed)?,
-            result.seconds,
+            &join(before)?,
+            &join(after)?,
+            cfg.duration.as_secs_f64(),
             result.bridge_cpu_seconds,
         );
         print!("{}", s.table(a.nats_replicas));
+    }
+    if let Some(child) = floor {
+        let out = child
+            .wait_with_output()
+            .map_err(|e| CliError::Failed(format!("floor publisher: {e}")))?;
+        if !out.status.success() {
+            return Err(CliError::Failed(format!(
+                "the floor publisher failed ({})",
+                out.status
+            )));
+        }
+        print!("{}", String::from_utf8_lossy(&out.stdout));
     }
     if a.floor {
         // The bridge this bench started is stopped first: the floor runs alone.

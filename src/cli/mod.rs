@@ -43,6 +43,9 @@ enum Command {
     /// The sender process of `bench --floor` (internal).
     #[command(hide = true)]
     BenchFloor(bench::BenchFloorArgs),
+    /// The bare JetStream publisher of `bench --nats-floor` (internal).
+    #[command(hide = true)]
+    BenchNatsFloor(bench::BenchNatsFloorArgs),
 }
 
 /// A failure that ends the command, with its exit code.
@@ -76,6 +79,7 @@ pub fn main() -> i32 {
         Command::Bench(a) => bench::run(a),
         Command::BenchReader(a) => bench::run_reader(a),
         Command::BenchFloor(a) => bench::run_floor_sender(a),
+        Command::BenchNatsFloor(a) => bench::run_nats_floor(a),
     };
     match result {
         Ok(()) => 0,

@@ -43,6 +43,8 @@ pub const HEADER_RING_ID: &str = "Kvbridge-Ring-Id";
 pub const HEADER_DP_RANK: &str = "Kvbridge-Dp-Rank";
 /// Header, only on a batch the sink synthesized: why (`ring_lapped`, `ring_replaced`, `corrupt`).
 pub const HEADER_CLEARED: &str = "Kvbridge-Cleared";
+/// Header: JetStream's de-duplication id, `<ring id>:<sequence>`.
+pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
 /// Most records published and not yet acknowledged, per ring.
 pub const MAX_IN_FLIGHT: usize = 256;
 /// How long a publication waits for its acknowledgement before the pipeline restarts.

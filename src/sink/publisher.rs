@@ -7,14 +7,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::header::{HeaderMap, HeaderName};
 use async_nats::jetstream::{self, context::PublishAckFuture, stream};
-use async_nats::HeaderMap;
 use bytes::Bytes;
 use kvbridge_shm::{ReadOutcome, RingReader};
 
 use super::{
-    SinkMetrics, ACK_TIMEOUT, HEADER_CLEARED, HEADER_DP_RANK, HEADER_RING_ID, HEADER_SEQ,
-    MAX_IN_FLIGHT,
+    SinkMetrics, ACK_TIMEOUT, HEADER_CLEARED, HEADER_DP_RANK, HEADER_MSG_ID, HEADER_RING_ID,
+    HEADER_SEQ, MAX_IN_FLIGHT,
 };
 use crate::ring::{RecordHeader, RingHub};
 
@@ -65,6 +65,8 @@ pub(super) struct Publisher {
     reader: parking_lot::Mutex<RingReader>,
     ring_id_hex: String,
     subject: String,
+    /// `subject` as the client's type (cloning it is a reference count, not a copy).
+    subject_bytes: async_nats::Subject,
     metrics: SinkMetrics,
     stop: tokio::sync::watch::Receiver<bool>,
     /// Local knowledge of where to restart after a failed acknowledgement.
@@ -90,6 +92,7 @@ impl Publisher {
             hub,
             reader: parking_lot::Mutex::new(reader),
             ring_id_hex: format!("{ring_id:016x}"),
+            subject_bytes: async_nats::Subject::from(subject.as_str()),
             subject,
             metrics,
             stop,
@@ -260,21 +263,25 @@ impl Publisher {
     }
 
     async fn publish(&self, item: &Item) -> Result<PublishAckFuture, PublishError> {
+        // Static names and one allocation per value: this runs for every record.
         let mut h = HeaderMap::new();
-        h.insert(HEADER_SEQ, item.seq.to_string().as_str());
-        h.insert(HEADER_RING_ID, self.ring_id_hex.as_str());
+        h.insert(HeaderName::from_static(HEADER_SEQ), item.seq.to_string());
+        h.insert(
+            HeaderName::from_static(HEADER_RING_ID),
+            self.ring_id_hex.as_str(),
+        );
         if let Some(r) = item.dp_rank {
-            h.insert(HEADER_DP_RANK, r.to_string().as_str());
+            h.insert(HeaderName::from_static(HEADER_DP_RANK), r.to_string());
         }
         if let Some(c) = item.cleared {
-            h.insert(HEADER_CLEARED, c);
+            h.insert(HeaderName::from_static(HEADER_CLEARED), c);
         }
         h.insert(
-            "Nats-Msg-Id",
-            format!("{}:{}", self.ring_id_hex, item.seq).as_str(),
+            HeaderName::from_static(HEADER_MSG_ID),
+            format!("{}:{}", self.ring_id_hex, item.seq),
         );
         self.js
-            .publish_with_headers(self.subject.clone(), h, item.payload.clone())
+            .publish_with_headers(self.subject_bytes.clone(), h, item.payload.clone())
             .await
     }
 
@@ -341,7 +348,8 @@ impl Publisher {
                         }
                     }
                 }
-                _ = hub.wait_newer(next.saturating_sub(1), Duration::from_millis(100)), if room => {
+                // No timer per wait: a ring failure and shutdown wake every waiter.
+                _ = hub.wait_newer_unless(next.saturating_sub(1), || hub.failure().is_some()), if room => {
                     if inflight.is_empty() {
                         lag.set(self.hub.newest().saturating_sub(next.saturating_sub(1)) as i64);
                     }
