@@ -49,8 +49,8 @@ impl Table {
             out.push(class);
             out.push(e.copies);
             out.extend_from_slice(&e.rank.to_le_bytes());
-            out.push(e.parent.is_some() as u8);
-            put_u64(out, e.parent.unwrap_or(0) as u64);
+            out.push(e.parent().is_some() as u8);
+            put_u64(out, e.parent().unwrap_or(0) as u64);
             put_u32(out, e.attrs);
             put_u32(out, e.block.len() as u32);
             out.extend_from_slice(&e.block);
@@ -190,13 +190,7 @@ impl<'a> Image<'a> {
                 lost = true;
                 continue;
             };
-            let e = Entry {
-                parent: b.parent,
-                block: b.block.into(),
-                attrs,
-                copies: b.copies.max(1),
-                rank: b.rank,
-            };
+            let e = Entry::new(b.parent, b.block.into(), attrs, b.copies.max(1), b.rank);
             if !t.insert(b.hash, b.class, e) {
                 lost = true;
             }
