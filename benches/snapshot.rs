@@ -16,6 +16,10 @@
 //!   is built before the first is sent, so this is the time to the first chunk). Bytes per block
 //!   are printed once.
 //!
+//! * printed once: the longest a `RingHub::publish` (ingest) waits while snapshots of those
+//!   1,000,000 blocks are taken back to back on another thread, against the longest in the same
+//!   number of publishes with no snapshot (same run).
+//!
 //! `cargo bench --bench snapshot -- --warm-up-time 1 --measurement-time 3`
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
@@ -134,29 +138,134 @@ fn bench_publish(c: &mut Criterion) {
     g.finish();
 }
 
-fn big_table() -> Table {
+/// 1,000 prompts of 1,000 blocks of 16 tokens, each a chain from the root.
+fn big_payloads() -> Vec<Vec<u8>> {
     let mut rng = Rng::new(3);
+    (0..1000)
+        .map(|_| {
+            let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
+            let tokens: Vec<u32> = (0..16_000).map(|_| rng.range(1, 151_000) as u32).collect();
+            let ev = SimEvent::Stored {
+                hashes,
+                parent: None,
+                tokens,
+                block_size: 16,
+                medium: Some("GPU".into()),
+            };
+            encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0)
+        })
+        .collect()
+}
+
+fn big_table() -> Table {
     let mut dec = Decoder::new(DecodeConfig::default());
     let mut t = Table::new(usize::MAX, 1);
-    // 1,000 prompts of 1,000 blocks, each a chain from the root
-    for seq in 1..=1000 {
-        let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
-        let tokens: Vec<u32> = (0..16_000).map(|_| rng.range(1, 151_000) as u32).collect();
-        let ev = SimEvent::Stored {
-            hashes,
-            parent: None,
-            tokens,
-            block_size: 16,
-            medium: Some("GPU".into()),
-        };
-        let p = encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0);
-        let plan = dec.plan(&p).expect("valid");
-        t.apply(&dec.planned(&plan, &p), &[], 0, seq);
+    for (seq, p) in big_payloads().iter().enumerate() {
+        let plan = dec.plan(p).expect("valid");
+        t.apply(&dec.planned(&plan, p), &[], 0, seq as u64 + 1);
     }
     t
 }
 
+/// Longest and 99.9th-percentile publish time (µs) over `ps` cycled until `done` (or `n`
+/// publishes when `done` is `None`), and the number of publishes.
+fn publish_times(
+    dec: &mut Decoder,
+    ps: &[Vec<u8>],
+    hub: &RingHub,
+    done: Option<&std::sync::atomic::AtomicBool>,
+    n: usize,
+) -> (f64, f64, usize) {
+    let mut times = Vec::new();
+    let meta = RecordMeta {
+        dp_rank: 0,
+        upstream_seq: 1,
+        flags: 0,
+        ingest_ns: 1,
+    };
+    for p in ps.iter().cycle() {
+        let stop = match done {
+            Some(d) => d.load(std::sync::atomic::Ordering::Acquire),
+            None => times.len() >= n,
+        };
+        if stop {
+            break;
+        }
+        let plan = dec.plan(p).expect("valid batch");
+        let t = std::time::Instant::now();
+        hub.publish(&dec.planned(&plan, p), None, meta)
+            .expect("publish");
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        // a steady 20,000 batches/s, not a flat-out loop
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+    times.sort_by(f64::total_cmp);
+    let p999 = times[(times.len() * 999 / 1000).min(times.len() - 1)];
+    (*times.last().expect("published"), p999, times.len())
+}
+
+/// How long ingest waits while snapshots of 1,000,000 blocks are taken (printed).
+fn ingest_during_snapshots() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let metrics = Metrics::new();
+    let opts = WriterOptions {
+        capacity: 256 << 20,
+        seq_base: Some(1),
+        group_read: false,
+    };
+    let path = dir.path().join("ring");
+    let hub = RingHub::open("merged", &path, &opts, &metrics)
+        .expect("ring")
+        .0;
+    let rt = RingTable::attach(
+        &hub,
+        &path,
+        false,
+        None,
+        &SnapshotConfig::default(),
+        SnapshotMetrics::new(&metrics),
+    );
+    let mut dec = Decoder::new(DecodeConfig::default());
+    let meta = RecordMeta {
+        dp_rank: 0,
+        upstream_seq: 1,
+        flags: 0,
+        ingest_ns: 1,
+    };
+    for p in big_payloads() {
+        let plan = dec.plan(&p).expect("valid");
+        hub.publish(&dec.planned(&plan, &p), None, meta)
+            .expect("publish");
+    }
+    let blocks = rt.with_table(|t| t.len());
+    let ps = payloads(2000);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (during, snaps) = std::thread::scope(|s| {
+        let taker = s.spawn(|| {
+            let t0 = std::time::Instant::now();
+            for _ in 0..3 {
+                black_box(rt.snapshot().map(|c| c.chunks.len()));
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+            t0.elapsed()
+        });
+        let during = publish_times(&mut dec, &ps, &hub, Some(&done), 0);
+        (during, taker.join().expect("snapshot thread"))
+    });
+    let alone = publish_times(&mut dec, &ps, &hub, None, during.2);
+    println!(
+        "ingest during snapshots: {blocks} blocks, 3 snapshots in {:.2} s; {} publishes: longest {:.0} µs, p99.9 {:.0} µs (same number with no snapshot: longest {:.0} µs, p99.9 {:.0} µs)",
+        snaps.as_secs_f64(),
+        during.2,
+        during.0,
+        during.1,
+        alone.0,
+        alone.1
+    );
+}
+
 fn bench_snapshot(c: &mut Criterion) {
+    ingest_during_snapshots();
     let t = big_table();
     let mut img = Vec::new();
     t.image(&mut img);
