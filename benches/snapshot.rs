@@ -30,6 +30,14 @@ use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
 use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics, Table, CHUNK_MAX};
 use kvbridge_shm::{RecordMeta, WriterOptions};
 
+/// Ring metadata of every benchmark record (rank 0; the values do not matter here).
+const META: RecordMeta = RecordMeta {
+    dp_rank: 0,
+    upstream_seq: 1,
+    flags: 0,
+    ingest_ns: 1,
+};
+
 fn payloads(n: usize) -> Vec<Vec<u8>> {
     let mut w = Workload::new(7);
     (0..n)
@@ -90,12 +98,7 @@ fn publish(dec: &mut Decoder, ps: &[Vec<u8>], hub: &RingHub) -> u64 {
     let mut records = 0;
     for p in ps {
         let plan = dec.plan(p).expect("valid batch");
-        let meta = RecordMeta {
-            dp_rank: 0,
-            upstream_seq: 1,
-            flags: 0,
-            ingest_ns: 1,
-        };
+        let meta = META;
         let out = hub
             .publish(&dec.planned(&plan, p), None, meta)
             .expect("publish");
@@ -177,12 +180,7 @@ fn publish_times(
     n: usize,
 ) -> (f64, f64, usize) {
     let mut times = Vec::new();
-    let meta = RecordMeta {
-        dp_rank: 0,
-        upstream_seq: 1,
-        flags: 0,
-        ingest_ns: 1,
-    };
+    let meta = META;
     for p in ps.iter().cycle() {
         let stop = match done {
             Some(d) => d.load(std::sync::atomic::Ordering::Acquire),
@@ -226,12 +224,7 @@ fn ingest_during_snapshots() {
         SnapshotMetrics::new(&metrics),
     );
     let mut dec = Decoder::new(DecodeConfig::default());
-    let meta = RecordMeta {
-        dp_rank: 0,
-        upstream_seq: 1,
-        flags: 0,
-        ingest_ns: 1,
-    };
+    let meta = META;
     for p in big_payloads() {
         let plan = dec.plan(&p).expect("valid");
         hub.publish(&dec.planned(&plan, &p), None, meta)
