@@ -132,9 +132,7 @@ fn clocked(
     run: Duration,
     mut send: impl FnMut(u64, f64) -> Result<(), String>,
 ) -> Result<(), String> {
-    // 1 µs timer slack (default 50 µs) so that sleeps end on time.
-    // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
+    super::fine_timer_slack();
     let start = Instant::now();
     let wall0 = crate::clock::unix_seconds();
     let period_ns = 1e9 / rate.max(1) as f64;

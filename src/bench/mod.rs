@@ -240,9 +240,7 @@ impl Publisher {
                         )
                     })
                     .collect();
-                // 1 µs timer slack (default 50 µs) so short sleeps end on time.
-                // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
-                unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
+                fine_timer_slack();
                 let start = Instant::now();
                 let wall0 = crate::clock::unix_seconds();
                 let period_ns = 1e9 / rate as f64;
@@ -478,4 +476,12 @@ pub fn table(r: &BenchResult) -> String {
             .map_or("-".into(), |v| format!("{v:.2}")),
     );
     s
+}
+
+/// Sets the calling thread's timer slack to 1 µs (default 50 µs) so that the short sleeps of a
+/// pacing loop end on time.
+pub(crate) fn fine_timer_slack() {
+    // SAFETY: PR_SET_TIMERSLACK takes a plain integer and only changes this thread's timer
+    // slack; no memory is passed to the kernel.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
 }

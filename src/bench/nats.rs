@@ -277,8 +277,7 @@ pub mod floor {
         let pacer = std::thread::Builder::new()
             .name("floor-pacer".into())
             .spawn(move || {
-                // SAFETY: PR_SET_TIMERSLACK only changes this thread's timer slack.
-                unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
+                crate::bench::fine_timer_slack();
                 let start = Instant::now();
                 let wall0 = crate::clock::unix_nanos();
                 let period_ns = 1e9 / rate as f64;
