@@ -1274,14 +1274,17 @@ fn serve_start_up_removes_stale_ring_files_it_owns() {
 /// its wake file behind.
 #[test]
 fn the_demo_leaves_no_ring_or_wake_file() {
-    let out = std::process::Command::new(bin())
-        .args(["demo", "--duration", "1", "--rate", "50", "--ranks", "1"])
-        .args(["--subscribers", "1"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    let out = run_ok(&[
+        "demo",
+        "--duration",
+        "1",
+        "--rate",
+        "50",
+        "--ranks",
+        "1",
+        "--subscribers",
+        "1",
+    ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let ring = stdout
         .split_whitespace()

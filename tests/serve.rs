@@ -90,23 +90,15 @@ async fn every_batch_in_order_to_every_subscriber_across_ranks_and_layouts() {
         }
     }
     let total = expected[0].len() + expected[1].len();
-    let cli = Command::new(bin())
-        .args([
-            "subscribe",
-            "--grpc",
-            &bridge.grpc.to_string(),
-            "--engine",
-            "sglang",
-            "--count",
-            "96",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        cli.status.success(),
-        "{}",
-        String::from_utf8_lossy(&cli.stderr)
-    );
+    let cli = run_ok(&[
+        "subscribe",
+        "--grpc",
+        &bridge.grpc.to_string(),
+        "--engine",
+        "sglang",
+        "--count",
+        "96",
+    ]);
 
     let mut encoded: Vec<Vec<Vec<u8>>> = Vec::new();
     for s in &mut subs {
@@ -403,22 +395,14 @@ async fn tail_reads_the_ring_from_another_process_while_serving() {
     for i in 0..5 {
         e.publish(layout(i), vec![store(i as u64 + 1, 2, None)], 0);
     }
-    let out = Command::new(bin())
-        .args([
-            "tail",
-            "--shm",
-            &ring.display().to_string(),
-            "--count",
-            "5",
-            "--meta",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(&[
+        "tail",
+        "--shm",
+        &ring.display().to_string(),
+        "--count",
+        "5",
+        "--meta",
+    ]);
     let text = String::from_utf8(out.stdout).unwrap();
     let lines: Vec<serde_json::Value> = text
         .lines()

@@ -616,22 +616,14 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
     );
 
     // A local reader gets the same state from the checkpoint (`tail --snapshot`).
-    let out = std::process::Command::new(bin())
-        .args([
-            "tail",
-            "--shm",
-            ring.to_str().unwrap(),
-            "--snapshot",
-            "--count",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(&[
+        "tail",
+        "--shm",
+        ring.to_str().unwrap(),
+        "--snapshot",
+        "--count",
+        "1",
+    ]);
     let line = String::from_utf8_lossy(&out.stdout);
     assert!(line.contains("\"snapshot\""), "{line}");
 

@@ -543,6 +543,18 @@ pub fn show(o: &std::process::Output) -> String {
     )
 }
 
+/// Runs `kvbridge ARGS` to completion (stdin closed) and asserts that it succeeded, showing its
+/// output otherwise.
+pub fn run_ok(args: &[&str]) -> std::process::Output {
+    let out = std::process::Command::new(bin())
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("kvbridge {args:?}: {e}"));
+    assert!(out.status.success(), "kvbridge {args:?}: {}", show(&out));
+    out
+}
+
 /// Runs one of the repository's pinned, idempotent set-up scripts (`scripts/python-venv.sh`,
 /// `scripts/smg-venv.sh`, `scripts/nats-server.sh`, …) with `CARGO_TARGET_DIR` pointing at this
 /// build's target directory plus `env`, and returns the existing path it prints on its last line.
