@@ -19,17 +19,9 @@ ROOT=$(pwd)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 VENV=${PYSHM_VENV:-$TARGET/pyshm-venv}
 
-# The interop venv's pins (scripts/python-venv.sh; change them together) plus the build backend.
-PINS=(
-    "maturin==1.16.0"
-    "smg-grpc-proto==0.4.28"
-    "grpcio==1.84.0"
-    "grpcio-tools==1.84.0"
-    "protobuf==7.36.2"
-    "setuptools==84.2.1"
-    "typing_extensions==4.16.0"
-)
 . scripts/lib-venv.sh
+# The interop venv's pins (SMG_PROTO_PINS, scripts/lib-venv.sh) plus the build backend.
+PINS=("maturin==1.16.0" "${SMG_PROTO_PINS[@]}")
 ensure_venv "$VENV" 'import smg_grpc_proto.generated.common_pb2, grpc, maturin' "${PINS[@]}"
 
 # Still under ensure_venv's flock (fd 9): one build at a time per venv.
