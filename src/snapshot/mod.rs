@@ -189,10 +189,12 @@ impl PublishHook for RingTable {
     ) {
         let mut p = self.pending.lock();
         if p.copying {
-            let first = (last_seq + 1).saturating_sub(src.records() as u64);
-            let logged =
-                pending::Logged::record(meta.dp_rank, first, last_seq, |v| src.visit(records, v));
-            p.log.push(logged);
+            p.log.push(pending::Logged::record(
+                src,
+                records,
+                meta.dp_rank,
+                last_seq,
+            ));
             return;
         }
         self.table

@@ -6,7 +6,8 @@
 //! store's attribute bytes, each block's hash and wire bytes, a removal's hashes) into a
 //! [`Logged`] source, and [`Logged::replay`] shows the same events to the table later. Blocks are
 //! already encoded, so recording one is a copy. Allocation happens only while a copy runs.
-use crate::ring::{EventVisitor, StoredEvent};
+use crate::ring::{EventVisitor, RecordSource, StoredEvent};
+use bytes::Bytes;
 
 /// A recorded store, shown to the table as the decoder's stores are.
 struct Stored {
@@ -35,19 +36,20 @@ pub(super) struct Logged {
 }
 
 impl Logged {
-    /// Records the events `show` shows (a source's `visit`).
+    /// Records the events of `src`, published as `records` ending at `last_seq` from `rank`
+    /// (the arguments of [`Table::apply`](super::Table::apply), applied later by `replay`).
     pub(super) fn record(
+        src: &dyn RecordSource,
+        records: &[Bytes],
         rank: u32,
-        first: u64,
-        last: u64,
-        show: impl FnOnce(&mut dyn EventVisitor),
+        last_seq: u64,
     ) -> Self {
         let mut r = Recorder(Vec::new());
-        show(&mut r);
+        src.visit(records, &mut r);
         Logged {
             rank,
-            first,
-            last,
+            first: super::table::first_record(src, last_seq),
+            last: last_seq,
             events: r.0,
         }
     }

@@ -213,7 +213,7 @@ impl Table {
         rank: u32,
         last_seq: u64,
     ) {
-        let first = (last_seq + 1).saturating_sub(src.records() as u64);
+        let first = first_record(src, last_seq);
         self.apply_with(rank, first, last_seq, &mut |v| src.visit(records, v));
     }
 
@@ -405,6 +405,12 @@ impl Table {
             self.release_attrs(id);
         }
     }
+}
+
+/// The first record `src` was written as, when its last is `last_seq`: a clear among its
+/// events counts from there (see [`Table::apply_with`]).
+pub(crate) fn first_record(src: &dyn crate::ring::RecordSource, last_seq: u64) -> u64 {
+    (last_seq + 1).saturating_sub(src.records() as u64)
 }
 
 struct Apply<'a> {
