@@ -10,52 +10,31 @@
 //! | cancellation | a client that resets drops the upstream response and request bodies, which resets the engine's stream; an engine that resets ends the client's call with the status its reset means |
 //! | failure | no connection: `UNAVAILABLE` naming the engine, as a trailers-only response |
 
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
-use tonic::body::Body;
 use tonic::{Code, Status};
 
+use super::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
 use super::upstream::Upstream;
 use crate::metrics::Metrics;
 
-/// Hop-by-hop headers: they describe one connection, never the call (RFC 9110 §7.6.1). HTTP/2
-/// forbids most of them anyway; `te: trailers`, which gRPC requires, is the one kept.
-const HOP_BY_HOP: [&str; 7] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "transfer-encoding",
-    "upgrade",
-];
-
-fn strip_hop_by_hop(h: &mut HeaderMap) {
-    for name in HOP_BY_HOP {
-        h.remove(name);
-    }
-    h.remove(http::header::HOST);
-    if h.get(http::header::TE)
-        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"trailers"))
-    {
-        h.remove(http::header::TE);
-    }
-}
-
-/// Forwards `req` to the engine; the response (headers, every DATA frame, trailers) is the
-/// engine's, or `UNAVAILABLE` when the engine cannot be reached.
+/// Forwards the client's call `req` to the engine and answers it on `respond`: the engine's
+/// headers, every DATA frame, its trailers; or `UNAVAILABLE` when the engine cannot be reached.
+/// Returns when the call is over on both sides (a client that resets ends it at once: dropping
+/// the engine side resets the engine's stream).
 pub(crate) async fn forward(
     upstream: &Upstream,
     metrics: &Arc<Metrics>,
-    req: Request<Incoming>,
-) -> Response<Body> {
+    req: Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+) {
     let started = Instant::now();
     let method = super::method_label(req.uri().path());
     let (mut parts, body) = req.into_parts();
@@ -67,25 +46,57 @@ pub(crate) async fn forward(
     parts.uri = match format!("{}{path}", upstream.base).parse() {
         Ok(u) => u,
         Err(e) => {
-            return finish_early(metrics, &method, Status::internal(format!("bad path: {e}")))
+            let status = Status::internal(format!("bad path: {e}"));
+            return finish_early(metrics, &method, respond, status);
         }
     };
     strip_hop_by_hop(&mut parts.headers);
-    let mut sender = match upstream.sender().await {
+    let sender = match upstream.sender().await {
         Ok(s) => s,
-        Err(s) => return finish_early(metrics, &method, s),
+        Err(s) => return finish_early(metrics, &method, respond, s),
     };
-    if let Err(e) = sender.ready().await {
-        return finish_early(metrics, &method, upstream_error(upstream, &e));
-    }
-    let call = sender.send_request(Request::from_parts(parts, Body::new(body)));
+    let mut sender = match sender.ready().await {
+        Ok(s) => s,
+        Err(e) => {
+            let status = upstream_error(upstream.address(), &e);
+            return finish_early(metrics, &method, respond, status);
+        }
+    };
+    let end = body.is_end_stream();
+    let (response, up_send) = match sender.send_request(Request::from_parts(parts, ()), end) {
+        Ok(r) => r,
+        Err(e) => {
+            let status = upstream_error(upstream.address(), &e);
+            return finish_early(metrics, &method, respond, status);
+        }
+    };
     metrics
         .proxy
         .overhead
         .observe(started.elapsed().as_secs_f64());
-    let resp = match call.await {
-        Ok(r) => r,
-        Err(e) => return finish_early(metrics, &method, upstream_error(upstream, &e)),
+    // The client's messages go up while the engine has not answered yet (client streaming: it
+    // answers after the last one).
+    let mut request = (!end).then(|| Pipe::new(RecvBody::new(body), up_send, h2::Reason::CANCEL));
+    let mut response = std::pin::pin!(response);
+    let headers = poll_fn(|cx| {
+        poll_request(&mut request, cx);
+        if let Poll::Ready(r) = respond.poll_reset(cx) {
+            // The client went away before the engine answered.
+            return Poll::Ready(Err(r.err()));
+        }
+        response.as_mut().poll(cx).map(Ok)
+    })
+    .await;
+    let resp = match headers {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            let status = upstream_error(upstream.address(), &e);
+            return finish_early(metrics, &method, respond, status);
+        }
+        Err(_) => {
+            CallRecord::count(metrics, &method, "cancelled");
+            return;
+        }
     };
     metrics
         .proxy
@@ -99,44 +110,68 @@ pub(crate) async fn forward(
         .get("grpc-status")
         .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
         .and_then(|s| s.parse::<i32>().ok());
+    let call = CallRecord {
+        metrics: metrics.clone(),
+        method,
+        status,
+    };
     let body = Relay {
-        inner: body,
-        call: Some(CallRecord {
-            metrics: metrics.clone(),
-            method,
-            status,
-        }),
+        inner: RecvBody::new(body),
+        call: Some(call),
         engine: upstream.address().to_string(),
         failed: false,
-        held: None,
-        ended: false,
     };
-    Response::from_parts(parts, Body::new(body))
+    let end = body.is_end_stream();
+    let send = match respond.send_response(Response::from_parts(parts, ()), end) {
+        Ok(s) => s,
+        // The client is gone; `body` drops, resetting the engine's stream.
+        Err(_) => return,
+    };
+    if end {
+        return;
+    }
+    let mut pipe = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR);
+    poll_fn(|cx| {
+        poll_request(&mut request, cx);
+        Pin::new(&mut pipe).poll(cx)
+    })
+    .await
+    .ok();
+    // A client still sending after the engine's answer: the call is over, its stream reset.
 }
 
-/// A trailers-only response with `status`, counted under `method`.
-fn finish_early(metrics: &Metrics, method: &str, status: Status) -> Response<Body> {
-    metrics
-        .proxy
-        .calls
-        .with_label_values(&[method, super::code_name(status.code())])
-        .inc();
-    status.into_http()
+/// Moves the client's request body on, dropping the pipe once it is done (or failed: the
+/// response side then sees what happened).
+fn poll_request<B>(request: &mut Option<Pipe<B>>, cx: &mut Context<'_>)
+where
+    B: HttpBody,
+    B::Data: bytes::Buf,
+{
+    if let Some(p) = request {
+        if Pin::new(p).poll(cx).is_ready() {
+            *request = None;
+        }
+    }
+}
+
+/// Answers `respond` with `status` alone (trailers-only), counted under `method`.
+fn finish_early(
+    metrics: &Metrics,
+    method: &str,
+    mut respond: h2::server::SendResponse<Bytes>,
+    status: Status,
+) {
+    CallRecord::count(metrics, method, super::code_name(status.code()));
+    let _ = respond.send_response(status_headers(&status), true);
 }
 
 /// The status a failed upstream exchange means for the client: a reset stream keeps its
 /// meaning (the mapping gRPC clients apply to RST_STREAM, gRPC's HTTP/2 spec), anything else is
 /// the engine being unreachable.
-fn upstream_error(upstream: &Upstream, e: &hyper::Error) -> Status {
-    let reason = std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<h2::Error>())
-        .and_then(|h| h.reason());
-    match reason {
-        Some(r) => status_of_reset(r, upstream.address()),
-        None => Status::unavailable(format!(
-            "kvbridge sidecar: engine gRPC server {}: {e}",
-            upstream.address()
-        )),
+fn upstream_error(engine: &str, e: &h2::Error) -> Status {
+    match e.reason() {
+        Some(r) if e.is_reset() => status_of_reset(r, engine),
+        _ => Status::unavailable(format!("kvbridge sidecar: engine gRPC server {engine}: {e}")),
     }
 }
 
@@ -162,6 +197,14 @@ struct CallRecord {
 }
 
 impl CallRecord {
+    fn count(metrics: &Metrics, method: &str, code: &str) {
+        metrics
+            .proxy
+            .calls
+            .with_label_values(&[method, code])
+            .inc();
+    }
+
     fn label(&self) -> &'static str {
         match self.status {
             Some(c) => super::code_name(Code::from_i32(c)),
@@ -172,70 +215,59 @@ impl CallRecord {
 
 impl Drop for CallRecord {
     fn drop(&mut self) {
-        self.metrics
-            .proxy
-            .calls
-            .with_label_values(&[&self.method, self.label()])
-            .inc();
+        Self::count(&self.metrics, &self.method, self.label());
     }
 }
 
-/// Largest chunk [`Relay`] builds from DATA frames the engine has already delivered.
-const COALESCE_MAX: usize = 64 * 1024;
-
-/// The engine's response body: its bytes, in order, and its trailers. DATA frames that are
-/// already waiting when one is read are joined into one chunk (up to [`COALESCE_MAX`]): gRPC
-/// messages are a byte stream to HTTP/2, frame boundaries carry no meaning, and an engine that
-/// writes one small frame per `Generate` message would otherwise cost a frame (and a wake-up) per
-/// message on both sides of kvbridge. Nothing waits for more data: what is not there yet is not
-/// waited for. An upstream error after the headers becomes a trailers frame with the status it
-/// means, so the client's call ends with a gRPC status rather than a bare reset.
+/// The engine's response body as the client gets it: the engine's DATA and trailers unchanged;
+/// an upstream error after the headers becomes a trailers frame with the status it means, so
+/// the client's call ends with a gRPC status rather than a bare reset. Records the call's
+/// status for the metrics.
 struct Relay {
-    inner: Incoming,
+    inner: RecvBody,
     call: Option<CallRecord>,
     engine: String,
     failed: bool,
-    /// A frame (trailers) or error read while coalescing, returned next.
-    held: Option<Result<Frame<Bytes>, hyper::Error>>,
-    /// The engine's body ended while coalescing.
-    ended: bool,
 }
 
-impl Relay {
-    /// Bookkeeping for what the engine's body yielded: the status of trailers, an error turned
-    /// into trailers, the end.
-    fn on_frame(
-        &mut self,
-        item: Option<Result<Frame<Bytes>, hyper::Error>>,
-    ) -> Option<Result<Frame<Bytes>, hyper::Error>> {
-        match item {
+impl HttpBody for Relay {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let this = &mut *self;
+        if this.failed {
+            return Poll::Ready(None);
+        }
+        let item = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        Poll::Ready(match item {
             Some(Ok(frame)) => {
                 if let Some(t) = frame.trailers_ref() {
                     let code = t
                         .get("grpc-status")
                         .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
                         .and_then(|s| s.parse::<i32>().ok());
-                    if let Some(call) = &mut self.call {
+                    if let Some(call) = &mut this.call {
                         call.status = code.or(Some(Code::Unknown as i32));
                     }
                 }
                 Some(Ok(frame))
             }
             Some(Err(e)) => {
-                let reason = std::error::Error::source(&e)
-                    .and_then(|s| s.downcast_ref::<h2::Error>())
-                    .and_then(|h| h.reason());
-                let status = match reason {
-                    Some(r) => status_of_reset(r, &self.engine),
-                    None => Status::unavailable(format!(
+                let status = match e.reason() {
+                    Some(r) if e.is_reset() => status_of_reset(r, &this.engine),
+                    _ => Status::unavailable(format!(
                         "kvbridge sidecar: engine gRPC server {}: {e}",
-                        self.engine
+                        this.engine
                     )),
                 };
-                if let Some(call) = &mut self.call {
+                if let Some(call) = &mut this.call {
                     call.status = Some(status.code() as i32);
                 }
-                self.failed = true;
+                this.failed = true;
                 let mut trailers = HeaderMap::new();
                 trailers.insert(
                     HeaderName::from_static("grpc-status"),
@@ -247,7 +279,7 @@ impl Relay {
                 Some(Ok(Frame::trailers(trailers)))
             }
             None => {
-                if let Some(call) = &mut self.call {
+                if let Some(call) = &mut this.call {
                     if call.status.is_none() {
                         // Ended without trailers or a status in the headers.
                         call.status = Some(Code::Unknown as i32);
@@ -255,71 +287,15 @@ impl Relay {
                 }
                 None
             }
-        }
-    }
-}
-
-impl HttpBody for Relay {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        if let Some(held) = this.held.take() {
-            return Poll::Ready(this.on_frame(Some(held)));
-        }
-        if this.failed || this.ended {
-            return Poll::Ready(this.on_frame(None));
-        }
-        let first = match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Some(Ok(f))) if f.is_data() => f.into_data().unwrap_or_default(),
-            Poll::Ready(other) => return Poll::Ready(this.on_frame(other)),
-        };
-        if first.len() >= COALESCE_MAX {
-            return Poll::Ready(Some(Ok(Frame::data(first))));
-        }
-        let mut joined: Option<BytesMut> = None;
-        loop {
-            let len = joined.as_ref().map_or(first.len(), |j| j.len());
-            if len >= COALESCE_MAX {
-                break;
-            }
-            match Pin::new(&mut this.inner).poll_frame(cx) {
-                Poll::Ready(Some(Ok(f))) if f.is_data() => {
-                    let d = f.into_data().unwrap_or_default();
-                    joined
-                        .get_or_insert_with(|| {
-                            let mut b = BytesMut::with_capacity(COALESCE_MAX.min(len * 8));
-                            b.extend_from_slice(&first);
-                            b
-                        })
-                        .extend_from_slice(&d);
-                }
-                Poll::Ready(Some(other)) => {
-                    this.held = Some(other);
-                    break;
-                }
-                Poll::Ready(None) => {
-                    this.ended = true;
-                    break;
-                }
-                Poll::Pending => break,
-            }
-        }
-        let data = joined.map_or(first, BytesMut::freeze);
-        Poll::Ready(Some(Ok(Frame::data(data))))
+        })
     }
 
     fn is_end_stream(&self) -> bool {
-        self.held.is_none() && (self.failed || self.ended || self.inner.is_end_stream())
+        self.failed || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        SizeHint::default()
     }
 }
 

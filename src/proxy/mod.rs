@@ -8,15 +8,16 @@
 //! ```
 //!
 //! One job per file: this one decides which requests are kvbridge's and serves the listener;
-//! `upstream.rs` keeps the connections to the engine; `forward.rs` relays one call; `load.rs` polls
+//! `upstream.rs` keeps the connections to the engine; `forward.rs` relays one call; `h2io.rs`
+//! holds the HTTP/2 plumbing both sides share (bodies, flow control, keepalive); `load.rs` polls
 //! the engine's `GetLoads` and turns it into `load_only` records (§3.5).
 //!
 //! **Why our own HTTP/2 server loop here.** tonic's server wraps every service in its
 //! `grpc-timeout` handling, which answers `CANCELLED` on its own when a deadline passes before
 //! response headers. A forwarded call's deadline belongs to the engine (it answers
 //! `DEADLINE_EXCEEDED` itself, with its own message), so in sidecar mode connections are served
-//! by hyper directly, with the same HTTP/2 settings, and kvbridge's own services are tonic's
-//! [`Routes`] called from there.
+//! on the `h2` crate directly (see `h2io.rs` for why not hyper), with the same HTTP/2 settings,
+//! and kvbridge's own services are tonic's [`Routes`] called from there.
 //!
 //! **Why one thread.** Everything the sidecar does runs on a `current_thread` runtime of its own
 //! (the listener, client connections, engine connections, the probe and the load poller): a
@@ -31,22 +32,25 @@
 //! keep theirs.
 
 mod forward;
+mod h2io;
 mod load;
 mod upstream;
 
 use std::collections::HashSet;
-use std::convert::Infallible;
+use std::future::{poll_fn, Future};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response};
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tonic::body::Body;
 use tonic::service::Routes;
 use tonic::Code;
 use tower::ServiceExt;
+
+use h2io::{Pipe, RecvBody};
 
 use crate::config::ProxyConfig;
 use crate::metrics::Metrics;
@@ -59,6 +63,11 @@ const CLIENT_CONNECTION_WINDOW: u32 = 64 << 20;
 const PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a probe waits for the engine's answer.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Keepalive pings to clients (tonic's settings elsewhere in kvbridge: SMG pings every 30 s
+/// itself, and kvbridge pings its peers too, to reap dead subscriptions).
+const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a keepalive ping to a client may go unanswered before its connection is dropped.
+const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether kvbridge answers `path` itself in sidecar mode: `SubscribeKvEvents` on the four engine
 /// services, and `grpc.health.v1.Health` (whose SERVING then also covers the engine). Everything
@@ -162,22 +171,24 @@ impl Sidecar {
     }
 
     /// One request: kvbridge's own, or forwarded.
-    async fn handle(self: Arc<Self>, routes: Routes, req: Request<Incoming>) -> Response<Body> {
+    async fn handle(
+        self: Arc<Self>,
+        routes: Routes,
+        req: Request<h2::RecvStream>,
+        respond: h2::server::SendResponse<Bytes>,
+    ) {
         if is_ours(req.uri().path()) {
-            match routes.oneshot(req.map(Body::new)).await {
-                Ok(r) => r,
-                Err(e) => match e {},
-            }
+            serve_own(routes, req, respond).await
         } else {
-            forward::forward(&self.upstream, &self.metrics, req).await
+            forward::forward(&self.upstream, &self.metrics, req, respond).await
         }
     }
 
     /// Serves the gRPC listener in sidecar mode until `shutdown`: connections from `incoming`
-    /// (already accepted, tuned and wrapped), HTTP/2 only, with tonic's keepalive settings and
-    /// `max_streams` streams per connection; kvbridge's `routes` for [`is_ours`] paths, the
-    /// engine for the rest. On shutdown, open connections get a GOAWAY and up to the caller's
-    /// patience to finish.
+    /// (already accepted, tuned and wrapped), HTTP/2 only, with the keepalive kvbridge uses
+    /// elsewhere and `max_streams` streams per connection; kvbridge's `routes` for [`is_ours`]
+    /// paths, the engine for the rest. On shutdown, open connections get a GOAWAY and up to the
+    /// caller's patience to finish.
     pub async fn serve<I, IO>(
         self: Arc<Self>,
         routes: Routes,
@@ -189,19 +200,17 @@ impl Sidecar {
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         use futures_util::StreamExt;
-        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        let mut builder = h2::server::Builder::new();
         builder
-            .timer(TokioTimer::new())
-            .keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            // Fixed windows (see `upstream`): per stream as hyper's default, per connection
+            // Fixed windows (see `upstream`): per stream 1 MiB (hyper's default), per connection
             // large enough that h2's small-DATA-frame budget (half of it) fits many concurrent
             // client-streaming calls of small messages.
-            .initial_stream_window_size(1 << 20)
+            .initial_window_size(1 << 20)
             .initial_connection_window_size(CLIENT_CONNECTION_WINDOW)
             .max_concurrent_streams(max_streams)
             .max_header_list_size(1 << 20);
-        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        let (stop, stopping) = tokio::sync::watch::channel(false);
+        let mut connections = tokio::task::JoinSet::new();
         let mut incoming = std::pin::pin!(incoming);
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
@@ -211,22 +220,90 @@ impl Sidecar {
                     Some(io) => io,
                     None => break,
                 },
+                // Reap finished connections as they end.
+                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
-            let this = self.clone();
-            let routes = routes.clone();
-            let svc = hyper::service::service_fn(move |req| {
-                let (this, routes) = (this.clone(), routes.clone());
-                async move { Ok::<_, Infallible>(this.handle(routes, req).await) }
-            });
-            let conn = builder.serve_connection(TokioIo::new(io), svc);
-            let conn = graceful.watch(conn);
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "gRPC connection ended");
-                }
-            });
+            let conn = self
+                .clone()
+                .connection(routes.clone(), builder.clone(), io, stopping.clone());
+            connections.spawn(conn);
         }
-        graceful.shutdown().await;
+        let _ = stop.send(true);
+        while connections.join_next().await.is_some() {}
+    }
+
+    /// One client connection: its streams, each a task of its own, until the client closes it,
+    /// stops answering keepalive pings, or (after `stopping`) its last stream ends.
+    async fn connection<IO>(
+        self: Arc<Self>,
+        routes: Routes,
+        builder: h2::server::Builder,
+        io: IO,
+        mut stopping: tokio::sync::watch::Receiver<bool>,
+    ) where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let mut conn = match builder.handshake::<_, Bytes>(io).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "gRPC connection ended in its handshake");
+                return;
+            }
+        };
+        let mut keepalive = std::pin::pin!(h2io::keepalive(
+            conn.ping_pong(),
+            CLIENT_KEEPALIVE_INTERVAL,
+            CLIENT_KEEPALIVE_TIMEOUT
+        ));
+        let mut stop = std::pin::pin!(async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        });
+        let mut graceful = false;
+        loop {
+            let next = poll_fn(|cx| {
+                if !graceful && stop.as_mut().poll(cx).is_ready() {
+                    graceful = true;
+                    conn.graceful_shutdown();
+                }
+                if keepalive.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
+                }
+                conn.poll_accept(cx)
+            })
+            .await;
+            match next {
+                Some(Ok((req, respond))) => {
+                    tokio::spawn(self.clone().handle(routes.clone(), req, respond));
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "gRPC connection ended");
+                    return;
+                }
+                None => return,
+            }
+        }
+    }
+}
+
+/// Serves one of kvbridge's own paths with its tonic `routes`: the client's stream as the
+/// request body, the route's response piped back with flow control.
+async fn serve_own(
+    routes: Routes,
+    req: Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+) {
+    let req = req.map(|b| Body::new(RecvBody::new(b)));
+    let resp: Response<Body> = match routes.oneshot(req).await {
+        Ok(r) => r,
+        Err(e) => match e {},
+    };
+    let (parts, body) = resp.into_parts();
+    let end = http_body::Body::is_end_stream(&body);
+    let Ok(send) = respond.send_response(Response::from_parts(parts, ()), end) else {
+        return;
+    };
+    if !end {
+        let _ = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR).await;
     }
 }
 
@@ -354,3 +431,4 @@ mod tests {
         assert_eq!(method_label("/a b/c"), "other");
     }
 }
+

@@ -11,14 +11,13 @@
 //! task on each side; a few of them spread a busy worker's `Generate` streams over several
 //! engine-side connections and cores. Calls take the slots in turn.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use bytes::Bytes;
+use h2::client::SendRequest;
 use tokio_rustls::rustls;
-use tonic::body::Body;
 use tonic::Status;
 
 use crate::config::EngineGrpc;
@@ -30,8 +29,18 @@ pub(crate) const POOL_SIZE: usize = 4;
 pub(crate) const STREAM_WINDOW: u32 = 1 << 20;
 /// HTTP/2 receive window per engine connection: the protocol's maximum.
 pub(crate) const CONNECTION_WINDOW: u32 = (1 << 31) - 1;
+/// Keepalive pings to the engine: as a G2 gateway's channel (docs/smg-api.md §3.1).
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a keepalive ping may go unanswered before the connection is dropped.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time to open a TCP connection (and TLS) to the engine before the call fails `UNAVAILABLE`.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One connection of the pool: its request handle, and whether it has ended.
+struct Connection {
+    sender: SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
+}
 
 /// The engine end of the sidecar.
 pub(crate) struct Upstream {
@@ -42,7 +51,7 @@ pub(crate) struct Upstream {
         tokio_rustls::TlsConnector,
         rustls::pki_types::ServerName<'static>,
     )>,
-    slots: Vec<tokio::sync::Mutex<Option<SendRequest<Body>>>>,
+    slots: Vec<tokio::sync::Mutex<Option<Connection>>>,
     next: AtomicUsize,
     metrics: Arc<Metrics>,
 }
@@ -77,20 +86,21 @@ impl Upstream {
 
     /// A sender on a live connection: the next slot's, or a new connection in that slot.
     /// `UNAVAILABLE` naming the engine when it cannot be reached.
-    pub(crate) async fn sender(&self) -> Result<SendRequest<Body>, Status> {
+    pub(crate) async fn sender(&self) -> Result<SendRequest<Bytes>, Status> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let mut slot = self.slots[i].lock().await;
-        if let Some(s) = slot.as_ref() {
-            if !s.is_closed() {
-                return Ok(s.clone());
+        if let Some(c) = slot.as_ref() {
+            if !c.closed.load(Ordering::Acquire) {
+                return Ok(c.sender.clone());
             }
         }
         *slot = None;
         match self.connect().await {
-            Ok(s) => {
+            Ok(c) => {
                 self.metrics.proxy.connects.with_label_values(&["ok"]).inc();
-                *slot = Some(s.clone());
-                Ok(s)
+                let sender = c.sender.clone();
+                *slot = Some(c);
+                Ok(sender)
             }
             Err(e) => {
                 self.metrics
@@ -106,7 +116,7 @@ impl Upstream {
         }
     }
 
-    async fn connect(&self) -> Result<SendRequest<Body>, String> {
+    async fn connect(&self) -> Result<Connection, String> {
         let addr = (self.engine.host.as_str(), self.engine.port);
         let tcp = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr))
             .await
@@ -126,7 +136,7 @@ impl Upstream {
         }
     }
 
-    async fn handshake<T>(&self, io: T) -> Result<SendRequest<Body>, String>
+    async fn handshake<T>(&self, io: T) -> Result<Connection, String>
     where
         T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -136,27 +146,37 @@ impl Upstream {
         // a connection-wide budget of half the connection window) from closing the connection
         // with ENHANCE_YOUR_CALM when a `Generate` stream of small messages is buffered while the
         // client reads slowly; the engine is the one peer kvbridge trusts not to flood it.
-        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true)
-            .max_header_list_size(1 << 20)
-            .handshake(TokioIo::new(io))
-            .await
-            .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+        let (sender, mut conn) = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            h2::client::Builder::new()
+                .initial_window_size(STREAM_WINDOW)
+                .initial_connection_window_size(CONNECTION_WINDOW)
+                .max_header_list_size(1 << 20)
+                .enable_push(false)
+                .handshake::<_, Bytes>(io),
+        )
+        .await
+        .map_err(|_| format!("no HTTP/2 handshake within {CONNECT_TIMEOUT:?}"))?
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
         let gauge = self.metrics.proxy.connections.clone();
         gauge.inc();
+        let closed = Arc::new(AtomicBool::new(false));
+        let ended = closed.clone();
         let base = self.base.clone();
+        let pings = conn.ping_pong();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(engine = %base, error = %e, "engine connection ended");
+            tokio::select! {
+                r = &mut conn => if let Err(e) = r {
+                    tracing::debug!(engine = %base, error = %e, "engine connection ended");
+                },
+                () = super::h2io::keepalive(pings, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT) => {
+                    tracing::debug!(engine = %base, "engine connection closed: keepalive ping not answered");
+                }
             }
+            ended.store(true, Ordering::Release);
             gauge.dec();
         });
-        Ok(sender)
+        Ok(Connection { sender, closed })
     }
 }
 
@@ -205,10 +225,10 @@ impl Upstream {
         path: &str,
         msg: &[u8],
         timeout: Duration,
-    ) -> Result<bytes::Bytes, Status> {
-        use http_body_util::BodyExt;
+    ) -> Result<Bytes, Status> {
         let call = async {
-            let mut sender = self.sender().await?;
+            let unavailable = |e: h2::Error| Status::unavailable(format!("{}: {e}", self.base));
+            let mut sender = self.sender().await?.ready().await.map_err(unavailable)?;
             let mut framed = Vec::with_capacity(5 + msg.len());
             framed.push(0);
             framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
@@ -217,39 +237,35 @@ impl Upstream {
                 .header(http::header::CONTENT_TYPE, "application/grpc")
                 .header(http::header::TE, "trailers")
                 .header("grpc-timeout", format!("{}m", timeout.as_millis().max(1)))
-                .body(Body::new(http_body_util::Full::new(bytes::Bytes::from(
-                    framed,
-                ))))
+                .body(())
                 .map_err(|e| Status::internal(e.to_string()))?;
-            sender
-                .ready()
-                .await
-                .map_err(|e| Status::unavailable(format!("{}: {e}", self.base)))?;
-            let resp = sender
-                .send_request(req)
-                .await
-                .map_err(|e| Status::unavailable(format!("{}: {e}", self.base)))?;
-            let (parts, body) = resp.into_parts();
+            let (resp, mut send) = sender.send_request(req, false).map_err(unavailable)?;
+            send.send_data(Bytes::from(framed), true)
+                .map_err(unavailable)?;
+            let resp = resp.await.map_err(unavailable)?;
+            let (parts, mut body) = resp.into_parts();
             if let Some(s) = Status::from_header_map(&parts.headers) {
                 return if s.code() == tonic::Code::Ok {
-                    Ok(bytes::Bytes::new())
+                    Ok(Bytes::new())
                 } else {
                     Err(s)
                 };
             }
-            let collected = body
-                .collect()
-                .await
-                .map_err(|e| Status::unavailable(format!("{}: {e}", self.base)))?;
-            let trailers = collected.trailers().cloned().unwrap_or_default();
-            let data = collected.to_bytes();
+            let mut data = bytes::BytesMut::new();
+            while let Some(chunk) = body.data().await {
+                let chunk = chunk.map_err(unavailable)?;
+                let _ = body.flow_control().release_capacity(chunk.len());
+                data.extend_from_slice(&chunk);
+            }
+            let trailers = body.trailers().await.map_err(unavailable)?.unwrap_or_default();
+            let data = data.freeze();
             match Status::from_header_map(&trailers) {
                 Some(s) if s.code() != tonic::Code::Ok => return Err(s),
                 None => return Err(Status::internal("engine answered without grpc-status")),
                 _ => {}
             }
             if data.len() < 5 {
-                return Ok(bytes::Bytes::new());
+                return Ok(Bytes::new());
             }
             if data[0] != 0 {
                 return Err(Status::internal("engine answered compressed"));

@@ -1,0 +1,322 @@
+//! The HTTP/2 plumbing both sides of the sidecar share, on the `h2` crate directly: a received
+//! body as an [`http_body::Body`] ([`RecvBody`]), a body piped into a send stream with flow
+//! control ([`Pipe`]), and connection keepalive ([`keepalive`]).
+//!
+//! **Why `h2` and not hyper.** hyper's HTTP/2 server and client are thin layers over `h2`, but
+//! each forwarded DATA frame crossed both of them (a body wrapper per side, a pipe task with its
+//! own wrappers, ping bookkeeping). On a paced stream each message reaches a sleeping process
+//! with cold caches, so what counts is how much code and state one message touches: serving on
+//! `h2` directly, with the same three hand-offs per message (engine connection → stream →
+//! client connection), cut the sidecar's CPU per paced message and the latency it adds
+//! (`cargo bench --bench proxy`, README "Sidecar performance").
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+
+/// Largest chunk [`RecvBody`] builds from DATA frames already received.
+pub(crate) const COALESCE_MAX: usize = 64 * 1024;
+
+/// A stream's received body: its DATA, in order, then its trailers. DATA frames that are already
+/// waiting when one is read are joined into one chunk (up to [`COALESCE_MAX`]): gRPC messages
+/// are a byte stream to HTTP/2 and frame boundaries carry no meaning, and a peer that writes one
+/// small frame per message would otherwise cost a frame (and a wake-up) per message on the
+/// other side of kvbridge too. Nothing waits for more data. Flow-control capacity is given back
+/// as soon as bytes are read, as hyper does: the stream's window bounds what is buffered here.
+pub(crate) struct RecvBody {
+    inner: h2::RecvStream,
+    /// An error met while joining frames, returned next.
+    held: Option<h2::Error>,
+    /// No more DATA: trailers (or the end) next.
+    data_done: bool,
+    /// Trailers (or the end) returned.
+    done: bool,
+}
+
+impl RecvBody {
+    pub(crate) fn new(inner: h2::RecvStream) -> Self {
+        let done = inner.is_end_stream();
+        RecvBody {
+            inner,
+            held: None,
+            data_done: done,
+            done,
+        }
+    }
+
+    fn release(&mut self, n: usize) {
+        // Fails only when the stream is already gone; what is read is read either way.
+        let _ = self.inner.flow_control().release_capacity(n);
+    }
+}
+
+impl HttpBody for RecvBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let this = &mut *self;
+        if let Some(e) = this.held.take() {
+            this.done = true;
+            return Poll::Ready(Some(Err(e)));
+        }
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if !this.data_done {
+            let first = match this.inner.poll_data(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(d))) => d,
+                Poll::Ready(Some(Err(e))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.data_done = true;
+                    Bytes::new()
+                }
+            };
+            if !this.data_done {
+                this.release(first.len());
+                let mut joined: Option<BytesMut> = None;
+                loop {
+                    let len = joined.as_ref().map_or(first.len(), |j| j.len());
+                    if len >= COALESCE_MAX {
+                        break;
+                    }
+                    match this.inner.poll_data(cx) {
+                        Poll::Ready(Some(Ok(d))) => {
+                            this.release(d.len());
+                            joined
+                                .get_or_insert_with(|| {
+                                    let mut b = BytesMut::with_capacity(COALESCE_MAX.min(len * 8));
+                                    b.extend_from_slice(&first);
+                                    b
+                                })
+                                .extend_from_slice(&d);
+                        }
+                        Poll::Ready(Some(Err(e))) => {
+                            this.held = Some(e);
+                            break;
+                        }
+                        Poll::Ready(None) => {
+                            this.data_done = true;
+                            break;
+                        }
+                        Poll::Pending => break,
+                    }
+                }
+                let data = joined.map_or(first, BytesMut::freeze);
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+        }
+        let trailers = ready!(this.inner.poll_trailers(cx));
+        this.done = true;
+        Poll::Ready(match trailers {
+            Ok(Some(t)) => Some(Ok(Frame::trailers(t))),
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.held.is_none() && (self.done || self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// How a [`Pipe`] ended early.
+#[derive(Debug)]
+pub(crate) enum PipeError {
+    /// The receiving peer reset the stream (or the connection went away).
+    Peer,
+    /// The body failed; the stream was reset with `INTERNAL_ERROR` (or `CANCEL`).
+    Body,
+}
+
+/// Sends `body` (DATA, then trailers) on an HTTP/2 stream, with backpressure: the next frame is
+/// taken from the body only once the previous one has stream capacity, so at most one chunk
+/// waits in h2's send buffer per stream (hyper's rule, which also never pins connection window
+/// on a body that has nothing to send). A body that ends without trailers ends the stream with
+/// an empty DATA frame. Resolves when the stream is complete, or when the receiving peer resets
+/// it.
+pub(crate) struct Pipe<B> {
+    body: Pin<Box<B>>,
+    send: h2::SendStream<Bytes>,
+    /// A chunk waiting for stream capacity, and whether it ends the stream.
+    held: Option<(Bytes, bool)>,
+    /// Reset code for a failing body.
+    on_error: h2::Reason,
+}
+
+impl<B> Pipe<B>
+where
+    B: HttpBody,
+    B::Data: Buf,
+{
+    /// `on_error`: the reset a failing body sends (`CANCEL` when the body is a peer's request
+    /// that peer abandoned, `INTERNAL_ERROR` for kvbridge's own).
+    pub(crate) fn new(body: B, send: h2::SendStream<Bytes>, on_error: h2::Reason) -> Self {
+        Pipe {
+            body: Box::pin(body),
+            send,
+            held: None,
+            on_error,
+        }
+    }
+}
+
+impl<B> Future for Pipe<B>
+where
+    B: HttpBody,
+    B::Data: Buf,
+{
+    type Output = Result<(), PipeError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        loop {
+            if let Some((data, eos)) = this.held.take() {
+                while this.send.capacity() == 0 {
+                    match this.send.poll_capacity(cx) {
+                        Poll::Ready(Some(Ok(_))) => {}
+                        Poll::Ready(Some(Err(_)) | None) => {
+                            return Poll::Ready(Err(PipeError::Peer))
+                        }
+                        Poll::Pending => {
+                            this.held = Some((data, eos));
+                            return this.pending_unless_reset(cx);
+                        }
+                    }
+                }
+                this.send
+                    .send_data(data, eos)
+                    .map_err(|_| PipeError::Peer)?;
+                if eos {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            let frame = match this.body.as_mut().poll_frame(cx) {
+                Poll::Pending => return this.pending_unless_reset(cx),
+                Poll::Ready(f) => f,
+            };
+            match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(mut d) => {
+                        let eos = this.body.is_end_stream();
+                        let data = d.copy_to_bytes(d.remaining());
+                        if data.is_empty() {
+                            this.send
+                                .send_data(data, eos)
+                                .map_err(|_| PipeError::Peer)?;
+                            if eos {
+                                return Poll::Ready(Ok(()));
+                            }
+                            continue;
+                        }
+                        // A claim of one byte, as hyper makes: h2 raises it to what is
+                        // buffered when the chunk is sent.
+                        this.send.reserve_capacity(1);
+                        this.held = Some((data, eos));
+                    }
+                    Err(frame) => {
+                        if let Ok(t) = frame.into_trailers() {
+                            this.send.reserve_capacity(0);
+                            this.send.send_trailers(t).map_err(|_| PipeError::Peer)?;
+                            return Poll::Ready(Ok(()));
+                        }
+                    }
+                },
+                Some(Err(_)) => {
+                    this.send.send_reset(this.on_error);
+                    return Poll::Ready(Err(PipeError::Body));
+                }
+                None => {
+                    this.send
+                        .send_data(Bytes::new(), true)
+                        .map_err(|_| PipeError::Peer)?;
+                    return Poll::Ready(Ok(()));
+                }
+            }
+        }
+    }
+}
+
+impl<B> Pipe<B> {
+    /// Pending, registered for the peer's reset too (so a client that goes away while nothing
+    /// is sent is noticed and the call behind it cancelled).
+    fn pending_unless_reset(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), PipeError>> {
+        match self.send.poll_reset(cx) {
+            Poll::Ready(_) => Poll::Ready(Err(PipeError::Peer)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Pings the peer every `interval` and resolves when a ping is not answered within `timeout`
+/// (or the connection is gone): the caller then drops the connection. SMG's gateways ping every
+/// 30 s themselves; kvbridge pings its peers too, so a silent peer's streams are reaped.
+/// `None` (the ping handle was already taken) never resolves.
+pub(crate) async fn keepalive(pp: Option<h2::PingPong>, interval: Duration, timeout: Duration) {
+    let Some(mut pp) = pp else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(interval).await;
+        match tokio::time::timeout(timeout, pp.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "HTTP/2 keepalive: connection gone");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(?timeout, "HTTP/2 keepalive: ping not answered");
+                return;
+            }
+        }
+    }
+}
+
+/// The headers of a trailers-only response (`grpc-status`, `grpc-message`, ...) for `status`.
+pub(crate) fn status_headers(status: &tonic::Status) -> http::Response<()> {
+    let (parts, _) = status.clone().into_http::<tonic::body::Body>().into_parts();
+    http::Response::from_parts(parts, ())
+}
+
+/// Headers a forwarded message must not carry across kvbridge (hop-by-hop, RFC 9110 §7.6.1).
+/// HTTP/2 forbids most of them anyway (h2 refuses to send them); `te: trailers`, which gRPC
+/// requires, is the one kept.
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Removes hop-by-hop headers and `host` (HTTP/2 carries it as `:authority`).
+pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
+    for name in HOP_BY_HOP {
+        h.remove(name);
+    }
+    h.remove(http::header::HOST);
+    if h.get(http::header::TE)
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"trailers"))
+    {
+        h.remove(http::header::TE);
+    }
+}
