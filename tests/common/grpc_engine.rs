@@ -48,7 +48,7 @@ pub struct Stats {
     pub generates: AtomicU64,
     /// What `GetLoads` reports as running requests.
     pub running: AtomicU32,
-    /// TLS handshakes that failed ([`GrpcEngine::start_tls`] only).
+    /// TLS handshakes that failed or did not agree on ALPN `h2` ([`GrpcEngine::start_tls`] only).
     pub tls_failed: AtomicU64,
 }
 
@@ -154,7 +154,8 @@ impl GrpcEngine {
 
     /// Starts on `addr` speaking TLS (ALPN `h2`) with the certificate chain and private key in
     /// `cert_pem` / `key_pem`, then the same gRPC methods as [`GrpcEngine::start`]. A connection
-    /// whose handshake fails is counted in [`Stats::tls_failed`] and closed.
+    /// whose handshake fails, or that did not agree on `h2`, is counted in [`Stats::tls_failed`]
+    /// and closed.
     pub async fn start_tls(addr: SocketAddr, cert_pem: &str, key_pem: &str) -> GrpcEngine {
         let acceptor = tls_acceptor(cert_pem, key_pem);
         Self::listen(addr, Arc::new(Stats::default()), Some(acceptor)).await
@@ -183,8 +184,12 @@ impl GrpcEngine {
                     match tls {
                         None => serve_connection(sock, st).await,
                         Some(acceptor) => match acceptor.accept(sock).await {
-                            Ok(tls) => serve_connection(tls, st).await,
-                            Err(_) => {
+                            // Like grpc-go (≥ 1.67): a client that did not agree on ALPN `h2`
+                            // is refused, so a client must offer it to be served.
+                            Ok(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => {
+                                serve_connection(tls, st).await
+                            }
+                            _ => {
                                 st.tls_failed.fetch_add(1, Ordering::SeqCst);
                             }
                         },
