@@ -17,6 +17,9 @@
 //! | `HealthCheck` | unary | only on `vllm.grpc.engine.VllmEngine`: `healthy = true`; other services: `UNIMPLEMENTED` |
 //! | `GetLoads` | unary | only on vLLM: one `SchedulerLoad` with `num_running_reqs` = [`Stats::running`] |
 //! | anything else | — | trailers-only `UNIMPLEMENTED` naming the method |
+//!
+//! It listens on plain TCP ([`GrpcEngine::start`]) or TLS ([`GrpcEngine::start_tls`]); both serve
+//! each connection with the same [`serve_connection`].
 #![allow(dead_code)]
 
 use std::convert::Infallible;
@@ -45,6 +48,8 @@ pub struct Stats {
     pub generates: AtomicU64,
     /// What `GetLoads` reports as running requests.
     pub running: AtomicU32,
+    /// TLS handshakes that failed or did not agree on ALPN `h2` ([`GrpcEngine::start_tls`] only).
+    pub tls_failed: AtomicU64,
 }
 
 /// A running test engine.
@@ -144,6 +149,23 @@ impl GrpcEngine {
 
     /// Starts on `addr`, sharing `stats` (for restarts).
     pub async fn start_with(addr: SocketAddr, stats: Arc<Stats>) -> GrpcEngine {
+        Self::listen(addr, stats, None).await
+    }
+
+    /// Starts on `addr` speaking TLS (ALPN `h2`) with the certificate chain and private key in
+    /// `cert_pem` / `key_pem`, then the same gRPC methods as [`GrpcEngine::start`]. A connection
+    /// whose handshake fails, or that did not agree on `h2`, is counted in [`Stats::tls_failed`]
+    /// and closed.
+    pub async fn start_tls(addr: SocketAddr, cert_pem: &str, key_pem: &str) -> GrpcEngine {
+        let acceptor = tls_acceptor(cert_pem, key_pem);
+        Self::listen(addr, Arc::new(Stats::default()), Some(acceptor)).await
+    }
+
+    async fn listen(
+        addr: SocketAddr,
+        stats: Arc<Stats>,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> GrpcEngine {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let st = stats.clone();
@@ -155,20 +177,23 @@ impl GrpcEngine {
                 };
                 let _ = sock.set_nodelay(true);
                 let st = st.clone();
+                let tls = tls.clone();
+                // The handshake runs in the connection's task, so a slow or failing one never
+                // holds up the accept loop.
                 conns.spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        let st = st.clone();
-                        async move { Ok::<_, Infallible>(handle(st, req).await) }
-                    });
-                    // Like grpcio: no stream limit worth mentioning, and windows large enough
-                    // that h2's small-DATA-frame budget (half the connection window) never
-                    // closes the connection while 1,000 small requests wait to be read.
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .max_concurrent_streams(u32::MAX)
-                        .initial_stream_window_size(4 << 20)
-                        .initial_connection_window_size(1 << 30)
-                        .serve_connection(TokioIo::new(sock), svc)
-                        .await;
+                    match tls {
+                        None => serve_connection(sock, st).await,
+                        Some(acceptor) => match acceptor.accept(sock).await {
+                            // Like grpc-go (≥ 1.67): a client that did not agree on ALPN `h2`
+                            // is refused, so a client must offer it to be served.
+                            Ok(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => {
+                                serve_connection(tls, st).await
+                            }
+                            _ => {
+                                st.tls_failed.fetch_add(1, Ordering::SeqCst);
+                            }
+                        },
+                    }
                 });
             }
         });
@@ -186,6 +211,47 @@ impl Drop for GrpcEngine {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Serves one HTTP/2 connection (plain TCP or TLS) with [`handle`] until it closes.
+async fn serve_connection<IO>(io: IO, st: Arc<Stats>)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| {
+        let st = st.clone();
+        async move { Ok::<_, Infallible>(handle(st, req).await) }
+    });
+    // Like grpcio: no stream limit worth mentioning, and windows large enough that h2's
+    // small-DATA-frame budget (half the connection window) never closes the connection while
+    // 1,000 small requests wait to be read.
+    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .max_concurrent_streams(u32::MAX)
+        .initial_stream_window_size(4 << 20)
+        .initial_connection_window_size(1 << 30)
+        .serve_connection(TokioIo::new(io), svc)
+        .await;
+}
+
+/// A rustls server (ring provider, as kvbridge's own TLS) for `cert_pem` / `key_pem`, ALPN `h2`.
+fn tls_acceptor(cert_pem: &str, key_pem: &str) -> tokio_rustls::TlsAcceptor {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .expect("test engine: certificate PEM");
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).expect("test engine: key PEM");
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .expect("test engine: certificate and key");
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
 
 async fn handle(st: Arc<Stats>, req: Request<Incoming>) -> Response<RespBody> {
