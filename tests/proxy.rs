@@ -727,17 +727,13 @@ async fn cleartext_to_an_engine_that_serves_tls_fails() {
     let st = unary(&ch, VLLM, "Echo", Request::new(Bytes::from_static(b"x")))
         .await
         .unwrap_err();
-    // Which of two it is depends on a race: the engine answers the HTTP/2 preface with a TLS
-    // alert and closes with the rest of kvbridge's bytes unread (so the kernel resets the
-    // connection). When kvbridge reads the alert first, its HTTP/2 codec takes the alert's bytes
-    // as a frame header too large to be one: "frame with invalid size", INTERNAL today; when the
-    // reset comes first: "connection error", UNAVAILABLE. (grpc-go answers UNAVAILABLE in both
-    // cases; narrowing this to UNAVAILABLE needs the proxy to tell a connection-level HTTP/2
-    // error from a stream reset.)
-    assert!(
-        matches!(st.code(), Code::Unavailable | Code::Internal),
-        "{st:?}"
-    );
+    // The engine answers the HTTP/2 preface with a TLS alert and closes with the rest of
+    // kvbridge's bytes unread (so the kernel resets the connection). Whether kvbridge reads the
+    // alert first (its HTTP/2 codec takes the alert's bytes as a frame header too large to be
+    // one: a connection error) or meets the reset first, the engine is unusable: UNAVAILABLE, as
+    // grpc-go answers in both cases. Only a stream the engine itself reset keeps the reset's
+    // meaning.
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(
         st.message()
             .contains(&format!("localhost:{}", s.engine.addr.port())),
