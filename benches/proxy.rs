@@ -134,11 +134,33 @@ async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
     (total as f64 / started.elapsed().as_secs_f64(), total)
 }
 
-/// Environment variable under which this binary runs as [`relay`] (or [`event_loop_relay`])
-/// instead of the benchmark.
+/// Environment variable under which this binary runs as one of the floors ([`Floor`]) in front
+/// of the engine at the given address, instead of the benchmark.
 const RELAY_ENV: &str = "PROXY_BENCH_RELAY_TO";
-/// Set (to anything) with [`RELAY_ENV`]: the relay is [`event_loop_relay`].
-const EVENT_LOOP_ENV: &str = "PROXY_BENCH_RELAY_EVENT_LOOP";
+/// Which floor, with [`RELAY_ENV`]: [`Floor::env`].
+const FLOOR_ENV: &str = "PROXY_BENCH_FLOOR";
+
+/// The programs kvbridge is measured against, each a child process of this binary as kvbridge
+/// is a process of its own.
+#[derive(Clone, Copy)]
+enum Floor {
+    /// [`relay`]: bytes, blocking threads.
+    Blocking,
+    /// [`event_loop_relay`]: bytes, one-thread tokio.
+    EventLoop,
+    /// [`h2_forwarder`]: the smallest HTTP/2 forwarder on kvbridge's stack.
+    H2,
+}
+
+impl Floor {
+    fn env(self) -> &'static str {
+        match self {
+            Floor::Blocking => "blocking",
+            Floor::EventLoop => "event-loop",
+            Floor::H2 => "h2",
+        }
+    }
+}
 
 /// The floor for a sidecar built on an event loop, as kvbridge is: the same opaque relay on a
 /// one-thread tokio runtime (`epoll`), `copy_bidirectional` per connection. What it adds over
@@ -208,21 +230,18 @@ fn relay(target: &str) {
     }
 }
 
-/// A [`relay`] child process in front of `target`, killed when dropped.
+/// A floor's child process in front of `target`, killed when dropped.
 struct RelayProcess {
     child: std::process::Child,
     addr: String,
 }
 
 impl RelayProcess {
-    fn start(target: &str, event_loop: bool) -> RelayProcess {
+    fn start(target: &str, floor: Floor) -> RelayProcess {
         use std::io::BufRead;
-        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-        if event_loop {
-            cmd.env(EVENT_LOOP_ENV, "1");
-        }
-        let mut child = cmd
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .env(RELAY_ENV, target)
+            .env(FLOOR_ENV, floor.env())
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
@@ -265,10 +284,10 @@ const ROUNDS: u32 = 3;
 
 fn main() {
     if let Ok(target) = std::env::var(RELAY_ENV) {
-        return if std::env::var_os(EVENT_LOOP_ENV).is_some() {
-            event_loop_relay(&target)
-        } else {
-            relay(&target)
+        return match std::env::var(FLOOR_ENV).as_deref() {
+            Ok("event-loop") => event_loop_relay(&target),
+            Ok("h2") => h2_forwarder(&target),
+            _ => relay(&target),
         };
     }
     // `cargo bench` passes `--bench`; nothing else is taken.
@@ -281,11 +300,17 @@ fn main() {
         .unwrap();
     let bridge = rt.block_on(async move {
         let engine = GrpcEngine::start("127.0.0.1:0".parse().unwrap()).await;
-        let zmq = common::Engine::start(0);
+        // kvbridge needs a ZMQ endpoint to subscribe to: an idle publisher socket. (The
+        // simulated engine of the tests would add a thread of this process waking every
+        // millisecond, in step with the paced streams.)
+        let zmq_ctx = zmq::Context::new();
+        let zmq = zmq_ctx.socket(zmq::PUB).unwrap();
+        zmq.bind("tcp://127.0.0.1:*").unwrap();
+        let zmq_endpoint = zmq.get_last_endpoint().unwrap().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let args: Vec<String> = [
             "--zmq",
-            &zmq.endpoint,
+            &zmq_endpoint,
             "--engine-grpc",
             &engine.addr.to_string(),
             "--load-interval-ms",
@@ -295,102 +320,197 @@ fn main() {
         .map(|s| s.to_string())
         .collect();
         let bridge = common::Bridge::start(dir.path(), &dir.path().join("ring"), &args);
-        let relay = RelayProcess::start(&engine.addr.to_string(), false);
-        let evloop = RelayProcess::start(&engine.addr.to_string(), true);
-        let urls = [
-            format!("http://{}", engine.addr),
-            format!("http://{}", relay.addr),
-            format!("http://{}", evloop.addr),
-            bridge.url(),
+        let target = engine.addr.to_string();
+        let floors = [
+            RelayProcess::start(&target, Floor::Blocking),
+            RelayProcess::start(&target, Floor::EventLoop),
+            RelayProcess::start(&target, Floor::H2),
         ];
+        // (name, url, process whose CPU is counted); kvbridge last.
+        let mut paths: Vec<(&str, String, Option<u32>)> =
+            vec![("direct", format!("http://{}", engine.addr), None)];
+        for (name, f) in [
+            ("blocking relay", &floors[0]),
+            ("event-loop relay", &floors[1]),
+            ("minimal h2 forwarder", &floors[2]),
+        ] {
+            paths.push((name, format!("http://{}", f.addr), Some(f.child.id())));
+        }
+        paths.push(("kvbridge", bridge.url(), Some(bridge.child.id())));
+        let k = paths.len() - 1;
+        let h2 = k - 1;
         let mut chans = Vec::new();
-        for u in &urls {
+        for (_, u, _) in &paths {
             chans.push(channel(u).await);
         }
         // Warm-up: connections, pools, allocator.
         for ch in &chans {
             tick_latencies(ch, 200).await;
         }
-        let mut lat = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-        // CPU the relays and kvbridge spend while their own paced stream runs.
-        let pids = [
-            None,
-            Some(relay.child.id()),
-            Some(evloop.child.id()),
-            Some(bridge.child.id()),
-        ];
-        let mut cpu = [0u64; 4];
+        let mut lat = vec![Vec::new(); paths.len()];
+        // CPU the floors and kvbridge spend while their own paced stream runs.
+        let mut cpu = vec![0u64; paths.len()];
         let per_round = ticks.div_ceil(ROUNDS);
         for _ in 0..ROUNDS {
             for (i, ch) in chans.iter().enumerate() {
-                let before = pids[i].map_or(0, cpu_ns);
+                let before = paths[i].2.map_or(0, cpu_ns);
                 lat[i].extend(tick_latencies(ch, per_round).await);
-                cpu[i] += pids[i].map_or(0, cpu_ns) - before;
+                cpu[i] += paths[i].2.map_or(0, cpu_ns) - before;
             }
         }
         for l in &mut lat {
             l.sort_unstable();
         }
         let n = lat[0].len();
+        let mut rates = Vec::new();
+        let mut cpu_fwd = Vec::new();
+        for (_, url, pid) in &paths {
+            let before = pid.map_or(0, cpu_ns);
+            let (rate, forwarded) = throughput(url, per_stream).await;
+            rates.push(rate);
+            cpu_fwd.push((pid.map_or(0, cpu_ns) - before) as f64 / 1e3 / forwarded as f64);
+        }
+
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        println!("sidecar benchmark ({cores} cores; engine and client in this process, kvbridge and the relays child processes)");
+        println!("sidecar benchmark ({cores} cores; engine and client in this process, the floors and kvbridge child processes)");
         println!();
-        println!("| row | direct | blocking relay (floor) | event-loop relay | through kvbridge | blocking relay − direct | event-loop relay − direct | kvbridge − direct | kvbridge − event-loop relay |");
-        println!("|---|---|---|---|---|---|---|---|---|");
-        for (name, p) in [("p50", 0.5), ("p99", 0.99)] {
-            let v: Vec<f64> = lat.iter().map(|l| pct(l, p)).collect();
+        println!("| path | p50 per streamed message ({n} msgs, 1/ms) | p99 | p50 added over direct | p99 added over direct | CPU per paced message (all threads) | throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | CPU per forwarded message (throughput run) |");
+        println!("|---|---|---|---|---|---|---|---|");
+        let (p50, p99): (Vec<f64>, Vec<f64>) =
+            lat.iter().map(|l| (pct(l, 0.5), pct(l, 0.99))).unzip();
+        for (i, (name, _, pid)) in paths.iter().enumerate() {
+            let (added50, added99, paced, fwd) = match pid {
+                None => ("—".into(), "—".into(), "—".into(), "—".into()),
+                Some(_) => (
+                    format!("{:+.1} µs", p50[i] - p50[0]),
+                    format!("{:+.1} µs", p99[i] - p99[0]),
+                    format!("{:.1} µs", cpu[i] as f64 / 1e3 / n as f64),
+                    format!("{:.2} µs", cpu_fwd[i]),
+                ),
+            };
             println!(
-                "| latency per streamed message, {name} ({n} msgs, 1/ms) | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:+.1} µs | {:+.1} µs | {:+.1} µs | {:+.1} µs |",
-                v[0], v[1], v[2], v[3],
-                v[1] - v[0],
-                v[2] - v[0],
-                v[3] - v[0],
-                v[3] - v[2]
+                "| {name} | {:.1} µs | {:.1} µs | {added50} | {added99} | {paced} | {:.0} msg/s ({:.1} % of direct) | {fwd} |",
+                p50[i],
+                p99[i],
+                rates[i],
+                100.0 * rates[i] / rates[0]
             );
         }
-        let per_msg = |c: u64| c as f64 / 1e3 / n as f64;
-        println!(
-            "| CPU per paced message (all threads) | — | {:.1} µs | {:.1} µs | {:.1} µs | | | | {:+.1} µs |",
-            per_msg(cpu[1]),
-            per_msg(cpu[2]),
-            per_msg(cpu[3]),
-            per_msg(cpu[3]) - per_msg(cpu[2])
-        );
-
-        let mut rates = Vec::new();
-        let mut sidecar = (0, std::time::Duration::ZERO);
-        for (i, url) in urls.iter().enumerate() {
-            let cpu0 = bridge.cpu_time();
-            let (rate, forwarded) = throughput(url, per_stream).await;
-            if i == 3 {
-                sidecar = (forwarded, bridge.cpu_time() - cpu0);
-            }
-            rates.push(rate);
+        println!();
+        for (i, what) in [(h2, "the minimal h2 forwarder"), (h2 - 1, "the event-loop relay")] {
+            println!(
+                "kvbridge − {what}: p50 {:+.1} µs, p99 {:+.1} µs, CPU per paced message {:+.1} µs",
+                p50[k] - p50[i],
+                p99[k] - p99[i],
+                (cpu[k] as f64 - cpu[i] as f64) / 1e3 / n as f64
+            );
         }
-        let pct_of = |r: f64| 100.0 * r / rates[0];
-        println!(
-            "| throughput, {STREAMS} concurrent Generate streams × {per_stream} × 64 B | {:.0} msg/s | {:.0} msg/s ({:.1} %) | {:.0} msg/s ({:.1} %) | {:.0} msg/s | | | {:.1} % of direct | |",
-            rates[0],
-            rates[1],
-            pct_of(rates[1]),
-            rates[2],
-            pct_of(rates[2]),
-            rates[3],
-            pct_of(rates[3])
-        );
-        let (forwarded, cpu) = sidecar;
-        println!(
-            "| sidecar CPU per forwarded message | — | — | — | {:.2} µs | | | ({:.2} s CPU for {forwarded} messages) | |",
-            cpu.as_secs_f64() * 1e6 / forwarded as f64,
-            cpu.as_secs_f64()
-        );
         drop(chans);
-        drop(relay);
-        drop(evloop);
+        drop(floors);
         drop(engine);
         drop(zmq);
         bridge
     });
     drop(rt);
     bridge.stop();
+}
+
+/// The floor for an HTTP/2 forwarder on kvbridge's stack: the smallest program that terminates
+/// HTTP/2 on both sides as the sidecar must (it multiplexes the client's streams onto a
+/// connection of its own to the engine, so it parses and writes frames), on the same `h2` crate
+/// and a one-thread tokio runtime, and nothing else: one engine connection, no path routing, no
+/// metrics, no frame joining, no flow-control backpressure (every DATA frame is sent on at once),
+/// no header filtering. What kvbridge adds over it is kvbridge's own code; what it adds over
+/// [`event_loop_relay`] is HTTP/2.
+fn h2_forwarder(target: &str) {
+    use std::io::Write;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let target = target.to_string();
+    rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(&target).await.unwrap();
+        tcp.set_nodelay(true).unwrap();
+        let (up, conn) = h2::client::Builder::new()
+            .initial_window_size(1 << 20)
+            .initial_connection_window_size((1 << 31) - 1)
+            .handshake::<_, Bytes>(tcp)
+            .await
+            .unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{}", listener.local_addr().unwrap());
+        std::io::stdout().flush().unwrap();
+        let base = format!("http://{target}");
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                continue;
+            };
+            client.set_nodelay(true).unwrap();
+            let (up, base) = (up.clone(), base.clone());
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::Builder::new()
+                    .initial_window_size(1 << 20)
+                    .initial_connection_window_size(64 << 20)
+                    .handshake::<_, Bytes>(client)
+                    .await
+                else {
+                    return;
+                };
+                while let Some(Ok((req, respond))) = conn.accept().await {
+                    let (up, base) = (up.clone(), base.clone());
+                    tokio::spawn(async move {
+                        let _ = h2_forward(req, respond, up, &base).await;
+                    });
+                }
+            });
+        }
+    });
+}
+
+/// One call through [`h2_forwarder`]: request body up and response down, concurrently.
+async fn h2_forward(
+    req: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    up: h2::client::SendRequest<Bytes>,
+    base: &str,
+) -> Result<(), h2::Error> {
+    let (mut parts, mut body) = req.into_parts();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    parts.uri = format!("{base}{path}").parse().unwrap();
+    let mut up = up.ready().await?;
+    let end = body.is_end_stream();
+    let (resp, mut up_body) = up.send_request(http::Request::from_parts(parts, ()), end)?;
+    let request = async move {
+        if end {
+            return Ok::<_, h2::Error>(());
+        }
+        while let Some(d) = body.data().await {
+            let d = d?;
+            let _ = body.flow_control().release_capacity(d.len());
+            up_body.send_data(d, false)?;
+        }
+        match body.trailers().await? {
+            Some(t) => up_body.send_trailers(t),
+            None => up_body.send_data(Bytes::new(), true),
+        }
+    };
+    let response = async move {
+        let (parts, mut body) = resp.await?.into_parts();
+        let mut down = respond.send_response(http::Response::from_parts(parts, ()), false)?;
+        while let Some(d) = body.data().await {
+            let d = d?;
+            let _ = body.flow_control().release_capacity(d.len());
+            down.send_data(d, false)?;
+        }
+        match body.trailers().await? {
+            Some(t) => down.send_trailers(t),
+            None => down.send_data(Bytes::new(), true),
+        }
+    };
+    let (a, b) = tokio::join!(request, response);
+    a.and(b)
 }
