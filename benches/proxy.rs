@@ -1,35 +1,35 @@
 //! Sidecar mode (issue 9), side by side in one run: the same test engine (`tests/common/
-//! grpc_engine.rs`, in this process) reached directly, through two trivial relays (the floor) and
-//! through `kvbridge serve --engine-grpc` (the release binary, a child process).
+//! grpc_engine.rs`, in this process) reached directly, through three floors and through
+//! `kvbridge serve --engine-grpc` (the release binary, a child process).
 //!
 //! ```text
-//! cargo bench --bench proxy              # about 20 s
+//! cargo bench --bench proxy              # about 40 s
 //! PROXY_BENCH_TICKS=6000 PROXY_BENCH_MESSAGES=20000 cargo bench --bench proxy
 //! ```
 //!
-//! Paths (columns):
+//! Paths (one row each), every floor a process of its own as kvbridge is (this binary, re-run):
 //! - **direct**: the client's channel to the engine;
-//! - **blocking relay**, the floor: a trivial opaque relay between the same client and engine,
-//!   in a process of its own as kvbridge is (this binary, re-run as [`relay`]), copying bytes
-//!   both ways with no HTTP/2 parsing, one blocking thread per direction. What it adds over
-//!   direct is the cost of a second process hop on this machine (two more socket crossings and
-//!   the wake-up of one more process);
-//! - **event-loop relay**: the same relay on a one-thread tokio runtime ([`event_loop_relay`]),
-//!   the floor for a sidecar that multiplexes many streams and connections on a few threads, as
-//!   an HTTP/2 proxy with an engine connection pool must;
-//! - **through kvbridge**.
+//! - **blocking relay** ([`relay`]): an opaque byte relay, no HTTP/2, one blocking thread per
+//!   direction. What it adds over direct is the second process hop on this machine (two more
+//!   socket crossings and the wake-up of one more process);
+//! - **event-loop relay** ([`event_loop_relay`]): the same relay on a one-thread tokio runtime,
+//!   the floor for a sidecar that multiplexes many streams and connections on one thread;
+//! - **minimal h2 forwarder** ([`h2_forwarder`]): the smallest HTTP/2-terminating forwarder on
+//!   kvbridge's own stack (`h2`, one thread) and nothing else. A sidecar must terminate HTTP/2
+//!   (it answers some paths itself and multiplexes the rest onto its own engine connections),
+//!   so this is the floor for the stack: what kvbridge adds over it is kvbridge's own code;
+//! - **kvbridge**.
 //!
-//! Rows:
+//! Columns:
 //! - **latency per streamed message**: a `Ticks` stream (one 64-byte message per ms, stamped
 //!   with the engine's send time); latency = receive time − send time, per message; p50 / p99
-//!   on each path, and what each adds over direct (kvbridge's also over the event-loop relay);
-//! - **CPU per paced message**: the relays' and kvbridge's on-CPU time (all threads) during
-//!   their own paced streams, per message: the work each does per message, as opposed to the
-//!   time it waits to be scheduled;
+//!   and what each path adds over direct, taken in [`ROUNDS`] rounds on each path in turn;
+//! - **CPU per paced message**: each process's on-CPU time (all threads) during its own paced
+//!   streams, per message: the work it does per message, as opposed to the time it waits;
 //! - **throughput at 64 concurrent streams**: 64 `Generate` streams of small (64-byte) messages
-//!   read as fast as they come; messages/s on each path, and the ratio to direct;
-//! - **sidecar CPU per forwarded message**: kvbridge's user + system CPU time over the
-//!   throughput run divided by the messages it forwarded.
+//!   read as fast as they come, also in rounds; messages/s and the ratio to direct;
+//! - **CPU per forwarded message**: each process's CPU time over its throughput runs divided by
+//!   the messages it forwarded.
 
 #[path = "../tests/common/mod.rs"]
 #[allow(unreachable_pub, missing_docs)]
@@ -97,7 +97,8 @@ fn pct(sorted: &[u64], p: f64) -> f64 {
     sorted[i] as f64 / 1000.0
 }
 
-/// Messages per second over `STREAMS` concurrent `Generate` streams of `per_stream` messages.
+/// `STREAMS` concurrent `Generate` streams of `per_stream` messages: the seconds they took and
+/// the messages received.
 async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
     // A few connections, as a gateway multiplexes many streams over its channel.
     let mut chans = Vec::new();
@@ -108,6 +109,7 @@ async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..STREAMS {
         let ch = chans[i % chans.len()].clone();
+        let url = url.to_string();
         tasks.spawn(async move {
             let mut c = raw_client(ch);
             c.ready().await.unwrap();
@@ -118,10 +120,15 @@ async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
                     Raw,
                 )
                 .await
-                .unwrap()
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
                 .into_inner();
             let mut n = 0u64;
-            while s.message().await.unwrap().is_some() {
+            while s
+                .message()
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
+                .is_some()
+            {
                 n += 1;
             }
             n
@@ -131,7 +138,7 @@ async fn throughput(url: &str, per_stream: u32) -> (f64, u64) {
     while let Some(n) = tasks.join_next().await {
         total += n.unwrap();
     }
-    (total as f64 / started.elapsed().as_secs_f64(), total)
+    (started.elapsed().as_secs_f64(), total)
 }
 
 /// Environment variable under which this binary runs as one of the floors ([`Floor`]) in front
@@ -362,14 +369,19 @@ fn main() {
             l.sort_unstable();
         }
         let n = lat[0].len();
-        let mut rates = Vec::new();
-        let mut cpu_fwd = Vec::new();
-        for (_, url, pid) in &paths {
-            let before = pid.map_or(0, cpu_ns);
-            let (rate, forwarded) = throughput(url, per_stream).await;
-            rates.push(rate);
-            cpu_fwd.push((pid.map_or(0, cpu_ns) - before) as f64 / 1e3 / forwarded as f64);
+        // Throughput in rounds too, taken in turn on each path: messages and busy time summed.
+        let mut sent = vec![(0u64, 0f64, 0u64); paths.len()];
+        for _ in 0..ROUNDS {
+            for (i, (_, url, pid)) in paths.iter().enumerate() {
+                let before = pid.map_or(0, cpu_ns);
+                let (secs, forwarded) = throughput(url, per_stream.div_ceil(ROUNDS)).await;
+                sent[i].0 += forwarded;
+                sent[i].1 += secs;
+                sent[i].2 += pid.map_or(0, cpu_ns) - before;
+            }
         }
+        let rates: Vec<f64> = sent.iter().map(|s| s.0 as f64 / s.1).collect();
+        let cpu_fwd: Vec<f64> = sent.iter().map(|s| s.2 as f64 / 1e3 / s.0 as f64).collect();
 
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!("sidecar benchmark ({cores} cores; engine and client in this process, the floors and kvbridge child processes)");
@@ -418,9 +430,9 @@ fn main() {
 /// The floor for an HTTP/2 forwarder on kvbridge's stack: the smallest program that terminates
 /// HTTP/2 on both sides as the sidecar must (it multiplexes the client's streams onto a
 /// connection of its own to the engine, so it parses and writes frames), on the same `h2` crate
-/// and a one-thread tokio runtime, and nothing else: one engine connection, no path routing, no
-/// metrics, no frame joining, no flow-control backpressure (every DATA frame is sent on at once),
-/// no header filtering. What kvbridge adds over it is kvbridge's own code; what it adds over
+/// and a one-thread tokio runtime, and nothing else: an engine connection per client connection,
+/// no pool, no path routing, no metrics, no frame joining, no flow-control backpressure (every
+/// DATA frame is sent on at once), no header filtering. What kvbridge adds over it is kvbridge's own code; what it adds over
 /// [`event_loop_relay`] is HTTP/2.
 fn h2_forwarder(target: &str) {
     use std::io::Write;
@@ -430,17 +442,6 @@ fn h2_forwarder(target: &str) {
         .unwrap();
     let target = target.to_string();
     rt.block_on(async move {
-        let tcp = tokio::net::TcpStream::connect(&target).await.unwrap();
-        tcp.set_nodelay(true).unwrap();
-        let (up, conn) = h2::client::Builder::new()
-            .initial_window_size(1 << 20)
-            .initial_connection_window_size((1 << 31) - 1)
-            .handshake::<_, Bytes>(tcp)
-            .await
-            .unwrap();
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         println!("{}", listener.local_addr().unwrap());
         std::io::stdout().flush().unwrap();
@@ -450,8 +451,24 @@ fn h2_forwarder(target: &str) {
                 continue;
             };
             client.set_nodelay(true).unwrap();
-            let (up, base) = (up.clone(), base.clone());
+            let (target, base) = (target.clone(), base.clone());
             tokio::spawn(async move {
+                // One engine connection per client connection.
+                let Ok(tcp) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                tcp.set_nodelay(true).unwrap();
+                let Ok((up, conn)) = h2::client::Builder::new()
+                    .initial_window_size(1 << 20)
+                    .initial_connection_window_size((1 << 31) - 1)
+                    .handshake::<_, Bytes>(tcp)
+                    .await
+                else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
                 let Ok(mut conn) = h2::server::Builder::new()
                     .initial_window_size(1 << 20)
                     .initial_connection_window_size(64 << 20)
