@@ -171,7 +171,9 @@ fn finish_early(
 fn upstream_error(engine: &str, e: &h2::Error) -> Status {
     match e.reason() {
         Some(r) if e.is_reset() => status_of_reset(r, engine),
-        _ => Status::unavailable(format!("kvbridge sidecar: engine gRPC server {engine}: {e}")),
+        _ => Status::unavailable(format!(
+            "kvbridge sidecar: engine gRPC server {engine}: {e}"
+        )),
     }
 }
 
@@ -198,11 +200,7 @@ struct CallRecord {
 
 impl CallRecord {
     fn count(metrics: &Metrics, method: &str, code: &str) {
-        metrics
-            .proxy
-            .calls
-            .with_label_values(&[method, code])
-            .inc();
+        metrics.proxy.calls.with_label_values(&[method, code]).inc();
     }
 
     fn label(&self) -> &'static str {
@@ -315,33 +313,6 @@ fn percent_encode(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_go_and_grpc_metadata_stays() {
-        let mut h = HeaderMap::new();
-        for (k, v) in [
-            ("connection", "close"),
-            ("keep-alive", "5"),
-            ("te", "trailers"),
-            ("grpc-timeout", "5S"),
-            ("authorization", "Bearer x"),
-            ("x-custom-bin", "AAEC"),
-            ("host", "kvbridge"),
-        ] {
-            h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
-        }
-        strip_hop_by_hop(&mut h);
-        let mut names: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
-        names.sort();
-        assert_eq!(
-            names,
-            ["authorization", "grpc-timeout", "te", "x-custom-bin"]
-        );
-        let mut h = HeaderMap::new();
-        h.insert(http::header::TE, HeaderValue::from_static("gzip"));
-        strip_hop_by_hop(&mut h);
-        assert!(h.is_empty(), "te other than trailers is hop-by-hop");
-    }
 
     #[test]
     fn resets_keep_their_meaning() {

@@ -200,10 +200,7 @@ where
                         }
                     }
                 }
-                this.send
-                    .send_data(data, eos)
-                    .map_err(|_| PipeError::Peer)?;
-                if eos {
+                if this.send_chunk(data, eos)? {
                     return Poll::Ready(Ok(()));
                 }
                 continue;
@@ -218,10 +215,7 @@ where
                         let eos = this.body.is_end_stream();
                         let data = d.copy_to_bytes(d.remaining());
                         if data.is_empty() {
-                            this.send
-                                .send_data(data, eos)
-                                .map_err(|_| PipeError::Peer)?;
-                            if eos {
+                            if this.send_chunk(data, eos)? {
                                 return Poll::Ready(Ok(()));
                             }
                             continue;
@@ -244,9 +238,7 @@ where
                     return Poll::Ready(Err(PipeError::Body));
                 }
                 None => {
-                    this.send
-                        .send_data(Bytes::new(), true)
-                        .map_err(|_| PipeError::Peer)?;
+                    this.send_chunk(Bytes::new(), true)?;
                     return Poll::Ready(Ok(()));
                 }
             }
@@ -255,6 +247,14 @@ where
 }
 
 impl<B> Pipe<B> {
+    /// Sends one chunk; `Ok(true)` when it ended the stream.
+    fn send_chunk(&mut self, data: Bytes, eos: bool) -> Result<bool, PipeError> {
+        self.send
+            .send_data(data, eos)
+            .map_err(|_| PipeError::Peer)?;
+        Ok(eos)
+    }
+
     /// Pending, registered for the peer's reset too (so a client that goes away while nothing
     /// is sent is noticed and the call behind it cancelled).
     fn pending_unless_reset(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), PipeError>> {
@@ -318,5 +318,38 @@ pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
         .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"trailers"))
     {
         h.remove(http::header::TE);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{HeaderName, HeaderValue};
+
+    #[test]
+    fn hop_by_hop_headers_go_and_grpc_metadata_stays() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "close"),
+            ("keep-alive", "5"),
+            ("te", "trailers"),
+            ("grpc-timeout", "5S"),
+            ("authorization", "Bearer x"),
+            ("x-custom-bin", "AAEC"),
+            ("host", "kvbridge"),
+        ] {
+            h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        strip_hop_by_hop(&mut h);
+        let mut names: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["authorization", "grpc-timeout", "te", "x-custom-bin"]
+        );
+        let mut h = HeaderMap::new();
+        h.insert(http::header::TE, HeaderValue::from_static("gzip"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "te other than trailers is hop-by-hop");
     }
 }

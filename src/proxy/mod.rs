@@ -223,9 +223,9 @@ impl Sidecar {
                 // Reap finished connections as they end.
                 Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
-            let conn = self
-                .clone()
-                .connection(routes.clone(), builder.clone(), io, stopping.clone());
+            let conn =
+                self.clone()
+                    .connection(routes.clone(), builder.clone(), io, stopping.clone());
             connections.spawn(conn);
         }
         let _ = stop.send(true);
@@ -431,4 +431,3 @@ mod tests {
         assert_eq!(method_label("/a b/c"), "other");
     }
 }
-

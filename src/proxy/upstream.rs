@@ -257,7 +257,11 @@ impl Upstream {
                 let _ = body.flow_control().release_capacity(chunk.len());
                 data.extend_from_slice(&chunk);
             }
-            let trailers = body.trailers().await.map_err(unavailable)?.unwrap_or_default();
+            let trailers = body
+                .trailers()
+                .await
+                .map_err(unavailable)?
+                .unwrap_or_default();
             let data = data.freeze();
             match Status::from_header_map(&trailers) {
                 Some(s) if s.code() != tonic::Code::Ok => return Err(s),
