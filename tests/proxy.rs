@@ -590,6 +590,48 @@ async fn tls_sidecar(engine: &Pem, ca: &str) -> Sidecar {
     sidecar_with(dir, grpc, &target, &["--engine-tls-ca", &ca_file]).await
 }
 
+/// kvbridge reads the engine's own `SETTINGS_MAX_CONCURRENT_STREAMS` from its connections
+/// (metric) and warns when its client-facing limit, given explicitly, is lower: the sidecar must
+/// not lower the engine's limit (docs/smg-api.md §2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_stream_limit_is_read_and_a_lower_client_limit_warned() {
+    for (client_limit, warned) in [("10", true), ("100", false)] {
+        let stats = std::sync::Arc::new(grpc_engine::Stats::default());
+        stats.max_streams.store(50, Ordering::SeqCst);
+        let engine = GrpcEngine::start_with("127.0.0.1:0".parse().unwrap(), stats).await;
+        let target = engine.addr.to_string();
+        let s = sidecar_with(
+            tempfile::tempdir().unwrap(),
+            engine,
+            &target,
+            &["--max-streams-per-connection", client_limit],
+        )
+        .await;
+        let ch = channel(&s.bridge.url()).await;
+        unary(&ch, VLLM, "Echo", Request::new(Bytes::from_static(b"x")))
+            .await
+            .unwrap();
+        common::wait_metrics(s.metrics, T, |p| {
+            metric(p, "kvbridge_proxy_engine_max_concurrent_streams", &[]) == 50.0
+        });
+        // The gauge is set just before the log line is written: wait for the line.
+        let deadline = Instant::now() + T;
+        let log = loop {
+            let log = s.bridge.log();
+            if log.contains("engine_max_streams=50") || Instant::now() > deadline {
+                break log;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(
+            log.contains("allows more concurrent streams per connection than kvbridge advertises"),
+            warned,
+            "client limit {client_limit}, engine 50: {log}"
+        );
+        assert!(log.contains("engine_max_streams=50"), "{log}");
+    }
+}
+
 /// `--engine-grpc https://localhost:PORT --engine-tls-ca CA`, for a self-signed engine
 /// certificate (its own CA) and for one signed by a CA: kvbridge verifies the engine, then
 /// forwards unary calls and server streams over TLS byte for byte, and its health probe reaches

@@ -511,6 +511,9 @@ pub struct ProxyMetrics {
     pub connects: IntCounterVec,
     /// 1 while the engine's gRPC server answers kvbridge's probe, else 0.
     pub engine_up: IntGauge,
+    /// The engine's `SETTINGS_MAX_CONCURRENT_STREAMS` on kvbridge's connections (0: the engine
+    /// sets no limit, or no connection has seen its settings yet).
+    pub engine_max_streams: IntGauge,
     /// Time kvbridge adds before a call reaches the engine's connection: routing, header
     /// rewrite, picking (or opening) a pooled connection. Seconds.
     pub overhead: Histogram,
@@ -556,6 +559,10 @@ impl ProxyMetrics {
             engine_up: int_gauge(
                 "proxy_engine_up",
                 "1 while the engine's gRPC server answers kvbridge's probe",
+            ),
+            engine_max_streams: int_gauge(
+                "proxy_engine_max_concurrent_streams",
+                "The engine's HTTP/2 MAX_CONCURRENT_STREAMS (0: no limit, or not seen yet)",
             ),
             overhead: histogram(
                 "proxy_added_latency_seconds",

@@ -200,6 +200,7 @@ impl Sidecar {
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         use futures_util::StreamExt;
+        self.upstream.set_client_limit(max_streams);
         let mut builder = h2::server::Builder::new();
         builder
             // Fixed windows (see `upstream`): per stream 1 MiB (hyper's default), per connection

@@ -11,7 +11,7 @@
 //! task on each side; a few of them spread a busy worker's `Generate` streams over several
 //! engine-side connections and cores. Calls take the slots in turn.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +54,9 @@ pub(crate) struct Upstream {
     slots: Vec<tokio::sync::Mutex<Option<Connection>>>,
     next: AtomicUsize,
     metrics: Arc<Metrics>,
+    /// The `MAX_CONCURRENT_STREAMS` kvbridge advertises to its own clients, to compare with the
+    /// engine's.
+    client_limit: Arc<AtomicU32>,
 }
 
 impl Upstream {
@@ -76,7 +79,14 @@ impl Upstream {
                 .collect(),
             next: AtomicUsize::new(0),
             metrics,
+            client_limit: Arc::new(AtomicU32::new(u32::MAX)),
         })
+    }
+
+    /// Notes the `MAX_CONCURRENT_STREAMS` kvbridge advertises to its clients: an engine that
+    /// allows more is warned about (docs/smg-api.md §2: the sidecar must not lower it).
+    pub(crate) fn set_client_limit(&self, streams: u32) {
+        self.client_limit.store(streams, Ordering::Relaxed);
     }
 
     /// The engine's address as the operator gave it, for messages.
@@ -164,9 +174,23 @@ impl Upstream {
         let ended = closed.clone();
         let base = self.base.clone();
         let pings = conn.ping_pong();
+        let limits = StreamLimits {
+            gauge: self.metrics.proxy.engine_max_streams.clone(),
+            client: self.client_limit.clone(),
+            engine: self.base.clone(),
+            seen: None,
+        };
         tokio::spawn(async move {
+            let mut limits = limits;
+            // The engine's settings arrive while the connection is driven: read its stream
+            // limit after each poll (a field read) and report it when it changes.
+            let driven = std::future::poll_fn(|cx| {
+                let r = std::future::Future::poll(std::pin::Pin::new(&mut conn), cx);
+                limits.observe(conn.max_concurrent_send_streams());
+                r
+            });
             tokio::select! {
-                r = &mut conn => if let Err(e) = r {
+                r = driven => if let Err(e) = r {
                     tracing::debug!(engine = %base, error = %e, "engine connection ended");
                 },
                 () = super::h2io::keepalive(pings, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT) => {
@@ -177,6 +201,36 @@ impl Upstream {
             gauge.dec();
         });
         Ok(Connection { sender, closed })
+    }
+}
+
+/// Reports the engine's `SETTINGS_MAX_CONCURRENT_STREAMS` as a connection learns it.
+struct StreamLimits {
+    gauge: prometheus::IntGauge,
+    client: Arc<AtomicU32>,
+    engine: String,
+    seen: Option<usize>,
+}
+
+impl StreamLimits {
+    fn observe(&mut self, engine: usize) {
+        if self.seen == Some(engine) {
+            return;
+        }
+        self.seen = Some(engine);
+        // h2 starts from "no limit" until the engine's SETTINGS say otherwise.
+        let Ok(limit) = u32::try_from(engine) else {
+            self.gauge.set(0);
+            return;
+        };
+        self.gauge.set(i64::from(limit));
+        let client = self.client.load(Ordering::Relaxed);
+        if client < limit {
+            tracing::warn!(engine = %self.engine, engine_max_streams = limit, max_streams_per_connection = client,
+                "the engine allows more concurrent streams per connection than kvbridge advertises to its clients: raise --max-streams-per-connection (or leave it unset) so the sidecar does not lower the engine's limit");
+        } else {
+            tracing::info!(engine = %self.engine, engine_max_streams = limit, "engine's stream limit per connection");
+        }
     }
 }
 

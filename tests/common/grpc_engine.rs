@@ -50,6 +50,8 @@ pub struct Stats {
     pub running: AtomicU32,
     /// TLS handshakes that failed or did not agree on ALPN `h2` ([`GrpcEngine::start_tls`] only).
     pub tls_failed: AtomicU64,
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS` for connections accepted from now on (0: `u32::MAX`).
+    pub max_streams: AtomicU32,
 }
 
 /// A running test engine.
@@ -218,6 +220,10 @@ async fn serve_connection<IO>(io: IO, st: Arc<Stats>)
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let max_streams = match st.max_streams.load(Ordering::SeqCst) {
+        0 => u32::MAX,
+        n => n,
+    };
     let svc = hyper::service::service_fn(move |req| {
         let st = st.clone();
         async move { Ok::<_, Infallible>(handle(st, req).await) }
@@ -226,7 +232,7 @@ where
     // small-DATA-frame budget (half the connection window) never closes the connection while
     // 1,000 small requests wait to be read.
     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-        .max_concurrent_streams(u32::MAX)
+        .max_concurrent_streams(max_streams)
         .initial_stream_window_size(4 << 20)
         .initial_connection_window_size(1 << 30)
         .serve_connection(TokioIo::new(io), svc)
