@@ -3,7 +3,7 @@
 //! `kvbridge serve --engine-grpc` (the release binary, a child process).
 //!
 //! ```text
-//! cargo bench --bench proxy              # about 40 s
+//! cargo bench --bench proxy              # about 25 s
 //! PROXY_BENCH_TICKS=6000 PROXY_BENCH_MESSAGES=20000 cargo bench --bench proxy
 //! ```
 //!
