@@ -279,6 +279,49 @@ async fn a_client_cancel_reaches_the_engine() {
     s.bridge.stop();
 }
 
+/// SIGTERM with a forwarded stream open: kvbridge still exits cleanly (connections get a GOAWAY
+/// and the drain period), the client's call ends instead of hanging, and the engine sees its
+/// stream cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_forwarded_stream_open_exits_cleanly_and_ends_the_call() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    let mut stream = c
+        .server_streaming(Request::new(Bytes::new()), path(VLLM, "Hang"), Raw)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap().unwrap(),
+        Bytes::from_static(b"first")
+    );
+    let Sidecar {
+        bridge,
+        engine,
+        _dir,
+        zmq,
+        ..
+    } = s;
+    let exit = tokio::task::spawn_blocking(move || bridge.stop());
+    let ended = tokio::time::timeout(T, stream.message())
+        .await
+        .expect("the client's call ends when kvbridge stops");
+    assert!(
+        !matches!(ended, Ok(Some(_))),
+        "no message after `first`: {ended:?}"
+    );
+    let status = exit.await.unwrap();
+    assert!(status.success(), "kvbridge exited with {status:?}");
+    let stats = engine.stats.clone();
+    wait_until("the engine to see the cancel", || {
+        stats.cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    drop((engine, zmq, _dir));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_and_bidi_streaming() {
     let s = sidecar(&[]).await;
