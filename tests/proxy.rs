@@ -100,6 +100,16 @@ async fn unary(
     c.unary(req, path(service, method), Raw).await
 }
 
+/// Opens the test engine's server stream `method` (an empty request) through `ch`.
+async fn open_stream(ch: &Channel, method: &str) -> tonic::Streaming<Bytes> {
+    let mut c = raw_client(ch.clone());
+    c.ready().await.unwrap();
+    c.server_streaming(Request::new(Bytes::new()), path(VLLM, method), Raw)
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// Reads a whole `Generate` stream of `count` × `size` and checks every message's bytes.
 async fn generate_and_check(ch: &Channel, count: u32, size: u32) {
     let mut c = raw_client(ch.clone());
@@ -219,13 +229,7 @@ async fn eight_mib_messages_both_ways() {
 async fn trailers_with_details_are_unchanged() {
     let s = sidecar(&[]).await;
     let ch = channel(&s.bridge.url()).await;
-    let mut c = raw_client(ch.clone());
-    c.ready().await.unwrap();
-    let mut stream = c
-        .server_streaming(Request::new(Bytes::new()), path(VLLM, "Fail"), Raw)
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = open_stream(&ch, "Fail").await;
     assert_eq!(
         stream.message().await.unwrap().unwrap(),
         Bytes::from_static(b"partial")
@@ -258,13 +262,7 @@ async fn the_deadline_is_the_engines() {
 async fn a_client_cancel_reaches_the_engine() {
     let s = sidecar(&[]).await;
     let ch = channel(&s.bridge.url()).await;
-    let mut c = raw_client(ch.clone());
-    c.ready().await.unwrap();
-    let mut stream = c
-        .server_streaming(Request::new(Bytes::new()), path(VLLM, "Hang"), Raw)
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = open_stream(&ch, "Hang").await;
     assert_eq!(
         stream.message().await.unwrap().unwrap(),
         Bytes::from_static(b"first")
@@ -286,13 +284,7 @@ async fn a_client_cancel_reaches_the_engine() {
 async fn sigterm_with_a_forwarded_stream_open_exits_cleanly_and_ends_the_call() {
     let s = sidecar(&[]).await;
     let ch = channel(&s.bridge.url()).await;
-    let mut c = raw_client(ch.clone());
-    c.ready().await.unwrap();
-    let mut stream = c
-        .server_streaming(Request::new(Bytes::new()), path(VLLM, "Hang"), Raw)
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = open_stream(&ch, "Hang").await;
     assert_eq!(
         stream.message().await.unwrap().unwrap(),
         Bytes::from_static(b"first")
