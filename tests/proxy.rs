@@ -100,14 +100,22 @@ async fn unary(
     c.unary(req, path(service, method), Raw).await
 }
 
-/// Opens the test engine's server stream `method` (an empty request) through `ch`.
-async fn open_stream(ch: &Channel, method: &str) -> tonic::Streaming<Bytes> {
+/// Opens the test engine's server stream `method` (an empty request) through `ch` and checks
+/// that its first message is `first`.
+async fn open_stream(ch: &Channel, method: &str, first: &'static [u8]) -> tonic::Streaming<Bytes> {
     let mut c = raw_client(ch.clone());
     c.ready().await.unwrap();
-    c.server_streaming(Request::new(Bytes::new()), path(VLLM, method), Raw)
+    let mut stream = c
+        .server_streaming(Request::new(Bytes::new()), path(VLLM, method), Raw)
         .await
         .unwrap()
-        .into_inner()
+        .into_inner();
+    assert_eq!(
+        stream.message().await.unwrap().unwrap(),
+        Bytes::from_static(first),
+        "the first message of {method}"
+    );
+    stream
 }
 
 /// Reads a whole `Generate` stream of `count` × `size` and checks every message's bytes.
@@ -229,11 +237,7 @@ async fn eight_mib_messages_both_ways() {
 async fn trailers_with_details_are_unchanged() {
     let s = sidecar(&[]).await;
     let ch = channel(&s.bridge.url()).await;
-    let mut stream = open_stream(&ch, "Fail").await;
-    assert_eq!(
-        stream.message().await.unwrap().unwrap(),
-        Bytes::from_static(b"partial")
-    );
+    let mut stream = open_stream(&ch, "Fail", b"partial").await;
     let st = stream.message().await.unwrap_err();
     assert_eq!(st.code(), Code::FailedPrecondition);
     assert_eq!(st.message(), "test engine: precondition failed");
@@ -262,11 +266,7 @@ async fn the_deadline_is_the_engines() {
 async fn a_client_cancel_reaches_the_engine() {
     let s = sidecar(&[]).await;
     let ch = channel(&s.bridge.url()).await;
-    let mut stream = open_stream(&ch, "Hang").await;
-    assert_eq!(
-        stream.message().await.unwrap().unwrap(),
-        Bytes::from_static(b"first")
-    );
+    let stream = open_stream(&ch, "Hang", b"first").await;
     assert_eq!(s.engine.stats.cancelled.load(Ordering::SeqCst), 0);
     drop(stream);
     let stats = s.engine.stats.clone();
@@ -284,11 +284,7 @@ async fn a_client_cancel_reaches_the_engine() {
 async fn sigterm_with_a_forwarded_stream_open_exits_cleanly_and_ends_the_call() {
     let s = sidecar(&[]).await;
     let ch = channel(&s.bridge.url()).await;
-    let mut stream = open_stream(&ch, "Hang").await;
-    assert_eq!(
-        stream.message().await.unwrap().unwrap(),
-        Bytes::from_static(b"first")
-    );
+    let mut stream = open_stream(&ch, "Hang", b"first").await;
     let Sidecar {
         bridge,
         engine,
