@@ -19,6 +19,8 @@
 
 mod service;
 
+pub(crate) use service::{CLIENT_KEEPALIVE_INTERVAL, CLIENT_KEEPALIVE_TIMEOUT};
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -303,13 +303,19 @@ fn routes_with(
     routes
 }
 
-/// Transport settings: SMG pings every 30 s even when idle, so pings are accepted (tonic does not
-/// enforce a ping policy), and kvbridge pings its peers too, to reap dead subscriptions. (Socket
-/// options are set on each accepted connection by [`crate::net::tune`].)
+/// HTTP/2 keepalive pings kvbridge sends its clients, on the plain server and in sidecar mode
+/// alike: SMG pings every 30 s even when idle, so pings are accepted (tonic does not enforce a
+/// ping policy), and kvbridge pings its peers too, to reap dead subscriptions.
+pub(crate) const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a keepalive ping to a client may go unanswered before its connection is dropped.
+pub(crate) const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Transport settings: the client keepalive above. (Socket options are set on each accepted
+/// connection by [`crate::net::tune`].)
 fn server_builder() -> tonic::transport::Server {
     tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
 }
 
 impl Edge {

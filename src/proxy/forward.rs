@@ -105,11 +105,7 @@ pub(crate) async fn forward(
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     // A trailers-only answer carries its status in the headers.
-    let status = parts
-        .headers
-        .get("grpc-status")
-        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
-        .and_then(|s| s.parse::<i32>().ok());
+    let status = grpc_status(&parts.headers);
     let call = CallRecord {
         metrics: metrics.clone(),
         method,
@@ -152,6 +148,13 @@ where
             *request = None;
         }
     }
+}
+
+/// The `grpc-status` a headers or trailers frame carries, if any.
+fn grpc_status(h: &HeaderMap) -> Option<i32> {
+    h.get("grpc-status")
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+        .and_then(|s| s.parse().ok())
 }
 
 /// Answers `respond` with `status` alone (trailers-only), counted under `method`.
@@ -244,24 +247,14 @@ impl HttpBody for Relay {
         Poll::Ready(match item {
             Some(Ok(frame)) => {
                 if let Some(t) = frame.trailers_ref() {
-                    let code = t
-                        .get("grpc-status")
-                        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
-                        .and_then(|s| s.parse::<i32>().ok());
                     if let Some(call) = &mut this.call {
-                        call.status = code.or(Some(Code::Unknown as i32));
+                        call.status = grpc_status(t).or(Some(Code::Unknown as i32));
                     }
                 }
                 Some(Ok(frame))
             }
             Some(Err(e)) => {
-                let status = match e.reason() {
-                    Some(r) if e.is_reset() => status_of_reset(r, &this.engine),
-                    _ => Status::unavailable(format!(
-                        "kvbridge sidecar: engine gRPC server {}: {e}",
-                        this.engine
-                    )),
-                };
+                let status = upstream_error(&this.engine, &e);
                 if let Some(call) = &mut this.call {
                     call.status = Some(status.code() as i32);
                 }

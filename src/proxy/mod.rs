@@ -63,11 +63,6 @@ const CLIENT_CONNECTION_WINDOW: u32 = 64 << 20;
 const PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a probe waits for the engine's answer.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-/// Keepalive pings to clients (tonic's settings elsewhere in kvbridge: SMG pings every 30 s
-/// itself, and kvbridge pings its peers too, to reap dead subscriptions).
-const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
-/// How long a keepalive ping to a client may go unanswered before its connection is dropped.
-const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether kvbridge answers `path` itself in sidecar mode: `SubscribeKvEvents` on the four engine
 /// services, and `grpc.health.v1.Health` (whose SERVING then also covers the engine). Everything
@@ -253,8 +248,8 @@ impl Sidecar {
         };
         let mut keepalive = std::pin::pin!(h2io::keepalive(
             conn.ping_pong(),
-            CLIENT_KEEPALIVE_INTERVAL,
-            CLIENT_KEEPALIVE_TIMEOUT
+            crate::fanout::CLIENT_KEEPALIVE_INTERVAL,
+            crate::fanout::CLIENT_KEEPALIVE_TIMEOUT
         ));
         let mut stop = std::pin::pin!(async move {
             let _ = stopping.wait_for(|s| *s).await;
