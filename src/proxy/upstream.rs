@@ -20,6 +20,7 @@ use h2::client::SendRequest;
 use tokio_rustls::rustls;
 use tonic::Status;
 
+use super::h2io::RecvBody;
 use crate::config::EngineGrpc;
 use crate::metrics::Metrics;
 
@@ -297,7 +298,7 @@ impl Upstream {
             send.send_data(Bytes::from(framed), true)
                 .map_err(unavailable)?;
             let resp = resp.await.map_err(unavailable)?;
-            let (parts, mut body) = resp.into_parts();
+            let (parts, body) = resp.into_parts();
             if let Some(s) = Status::from_header_map(&parts.headers) {
                 return if s.code() == tonic::Code::Ok {
                     Ok(Bytes::new())
@@ -305,18 +306,11 @@ impl Upstream {
                     Err(s)
                 };
             }
-            let mut data = bytes::BytesMut::new();
-            while let Some(chunk) = body.data().await {
-                let chunk = chunk.map_err(unavailable)?;
-                let _ = body.flow_control().release_capacity(chunk.len());
-                data.extend_from_slice(&chunk);
-            }
-            let trailers = body
-                .trailers()
+            let collected = http_body_util::BodyExt::collect(RecvBody::new(body))
                 .await
-                .map_err(unavailable)?
-                .unwrap_or_default();
-            let data = data.freeze();
+                .map_err(unavailable)?;
+            let trailers = collected.trailers().cloned().unwrap_or_default();
+            let data = collected.to_bytes();
             match Status::from_header_map(&trailers) {
                 Some(s) if s.code() != tonic::Code::Ok => return Err(s),
                 None => return Err(Status::internal("engine answered without grpc-status")),
