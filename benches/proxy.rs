@@ -495,39 +495,36 @@ async fn h2_forward(
     up: h2::client::SendRequest<Bytes>,
     base: &str,
 ) -> Result<(), h2::Error> {
-    let (mut parts, mut body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     parts.uri = format!("{base}{path}").parse().unwrap();
     let mut up = up.ready().await?;
     let end = body.is_end_stream();
-    let (resp, mut up_body) = up.send_request(http::Request::from_parts(parts, ()), end)?;
+    let (resp, up_body) = up.send_request(http::Request::from_parts(parts, ()), end)?;
     let request = async move {
         if end {
             return Ok::<_, h2::Error>(());
         }
-        while let Some(d) = body.data().await {
-            let d = d?;
-            let _ = body.flow_control().release_capacity(d.len());
-            up_body.send_data(d, false)?;
-        }
-        match body.trailers().await? {
-            Some(t) => up_body.send_trailers(t),
-            None => up_body.send_data(Bytes::new(), true),
-        }
+        pump(body, up_body).await
     };
     let response = async move {
-        let (parts, mut body) = resp.await?.into_parts();
-        let mut down = respond.send_response(http::Response::from_parts(parts, ()), false)?;
-        while let Some(d) = body.data().await {
-            let d = d?;
-            let _ = body.flow_control().release_capacity(d.len());
-            down.send_data(d, false)?;
-        }
-        match body.trailers().await? {
-            Some(t) => down.send_trailers(t),
-            None => down.send_data(Bytes::new(), true),
-        }
+        let (parts, body) = resp.await?.into_parts();
+        let down = respond.send_response(http::Response::from_parts(parts, ()), false)?;
+        pump(body, down).await
     };
     let (a, b) = tokio::join!(request, response);
     a.and(b)
+}
+
+/// Sends every DATA frame of `body` on `send` as it comes, then its trailers (or the end).
+async fn pump(mut body: h2::RecvStream, mut send: h2::SendStream<Bytes>) -> Result<(), h2::Error> {
+    while let Some(d) = body.data().await {
+        let d = d?;
+        let _ = body.flow_control().release_capacity(d.len());
+        send.send_data(d, false)?;
+    }
+    match body.trailers().await? {
+        Some(t) => send.send_trailers(t),
+        None => send.send_data(Bytes::new(), true),
+    }
 }
