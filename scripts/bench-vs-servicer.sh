@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvbridge against SMG's own Rust engine servicer (PyPI `smg`, `smg.servicer.VllmGrpcServer`),
-# measured by the same `kvbridge bench`, alternately, in the same run: the README's servicer row.
+# measured by the same `kvbridge bench`, alternately, in the same run: the servicer row of docs/performance.md.
 #
 #   scripts/bench-vs-servicer.sh [RUNS] [SUBSCRIBERS] [RATE] [SECONDS] [CONNECTIONS]
 #   (defaults: 3 runs, 100 subscribers over 100 connections, 1000 batches/s, 6 s)

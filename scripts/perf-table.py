@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs the README's performance rows with `kvbridge bench` and prints a markdown table of the
+"""Runs the performance rows of docs/performance.md with `kvbridge bench` and prints a markdown table of the
 medians of N runs per row (default 3). Usage: scripts/perf-table.py [--runs N] [--seconds S]
 
 Each row starts its own bridge (`kvbridge bench` without --grpc). Latency is end to end from the
