@@ -27,6 +27,7 @@ from ._native import (  # noqa: F401
     Record,
     RingError,
     RingReset,
+    RingTruncated,
     SeekOutOfRange,
     WriterGone,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "Record",
     "RingError",
     "RingReset",
+    "RingTruncated",
     "SeekOutOfRange",
     "WriterGone",
     "parse_batch",

@@ -34,6 +34,9 @@ class CorruptRecord(RingError):
     seq: int
     resume_at: int
 
+class RingTruncated(RingError):
+    """The ring file was truncated under this reader (would have been SIGBUS); it reads nothing more."""
+
 class SeekOutOfRange(RingError):
     """``seek(requested)`` outside ``[oldest, newest + 1]``."""
 

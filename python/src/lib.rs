@@ -74,6 +74,14 @@ create_exception!(
 );
 create_exception!(
     kvbridge_shm,
+    RingTruncated,
+    RingError,
+    "The ring file was truncated under this reader (someone shrank the file it maps). Without \
+     this, the next read would have killed the process with SIGBUS. The reader reads nothing \
+     more; open a new one once the writer has re-created the ring."
+);
+create_exception!(
+    kvbridge_shm,
     SeekOutOfRange,
     RingError,
     "`seek(seq)` outside the retained window [oldest, newest + 1]. Attributes: `requested`, \
@@ -106,6 +114,7 @@ enum Got {
         seq: u64,
         resume_at: u64,
     },
+    Truncated,
 }
 
 struct Inner {
@@ -135,6 +144,7 @@ impl Inner {
                 ReadOutcome::RingReset { new_ring_id } => Got::Reset { new_ring_id },
                 ReadOutcome::WriterGone => Got::Gone,
                 ReadOutcome::Corrupt { seq, resume_at } => Got::Corrupt { seq, resume_at },
+                ReadOutcome::Truncated => Got::Truncated,
             };
             return got;
         }
@@ -311,6 +321,10 @@ impl Reader {
                 format!("record {seq} is damaged (checksum); skipped, resuming at {resume_at}"),
                 &[("seq", seq), ("resume_at", resume_at)],
             )),
+            Got::Truncated => Err(RingTruncated::new_err(format!(
+                "ring file {} was truncated under this reader; open a new reader once the writer has re-created it",
+                self.path.display()
+            ))),
         }
     }
 }
@@ -471,6 +485,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RingReset", py.get_type::<RingReset>())?;
     m.add("WriterGone", py.get_type::<WriterGone>())?;
     m.add("CorruptRecord", py.get_type::<CorruptRecord>())?;
+    m.add("RingTruncated", py.get_type::<RingTruncated>())?;
     m.add("SeekOutOfRange", py.get_type::<SeekOutOfRange>())?;
     m.add("LAYOUT_VERSION", kvbridge_shm::layout::LAYOUT_VERSION)?;
     Ok(())

@@ -110,6 +110,8 @@ mod sync;
 #[cfg(not(loom))]
 mod error;
 #[cfg(not(loom))]
+mod fault;
+#[cfg(not(loom))]
 mod map;
 #[cfg(not(loom))]
 mod reader;

@@ -105,6 +105,12 @@ pub enum Read {
 /// record's first [`RECORD_CRC_HEADER_LEN`] bytes as stored (seq, len, kind,
 /// upstream_seq, dp_rank, flags, ingest_ns, little-endian), then its payload.
 pub fn record_crc(seq: u64, len: usize, meta: &RecordMeta, payload: &[u8]) -> u32 {
+    crc32c::crc32c_append(record_crc_header(seq, len, meta), payload)
+}
+
+/// [`record_crc`] of the header alone: continue it over the payload with
+/// `crc32c::crc32c_append` (in pieces, if the payload is read in pieces).
+pub(crate) fn record_crc_header(seq: u64, len: usize, meta: &RecordMeta) -> u32 {
     let mut h = [0u8; RECORD_CRC_HEADER_LEN];
     h[REC_OFF_SEQ..REC_OFF_SEQ + 8].copy_from_slice(&seq.to_le_bytes());
     h[REC_OFF_LEN..REC_OFF_LEN + 4].copy_from_slice(&(len as u32).to_le_bytes());
@@ -114,7 +120,7 @@ pub fn record_crc(seq: u64, len: usize, meta: &RecordMeta, payload: &[u8]) -> u3
     h[REC_OFF_DP_RANK..REC_OFF_DP_RANK + 4].copy_from_slice(&meta.dp_rank.to_le_bytes());
     h[REC_OFF_FLAGS..REC_OFF_FLAGS + 4].copy_from_slice(&meta.flags.to_le_bytes());
     h[REC_OFF_INGEST_NS..REC_OFF_INGEST_NS + 8].copy_from_slice(&meta.ingest_ns.to_le_bytes());
-    crc32c::crc32c_append(crc32c::crc32c(&h), payload)
+    crc32c::crc32c(&h)
 }
 
 impl std::fmt::Debug for Ring<'_> {

@@ -2,9 +2,10 @@
 //! outcomes, futex waiting.
 
 use crate::error::{SeekError, ShmError};
+use crate::fault;
 use crate::layout::*;
 use crate::map::{parse_header, Base, Geometry};
-use crate::protocol::{record_crc, Read, RecordMeta, Ring};
+use crate::protocol::{record_crc_header, Read, RecordMeta, Ring};
 use crate::sys;
 use crate::writer::wake_path;
 use memmap2::{Mmap, MmapMut};
@@ -25,6 +26,9 @@ const SPIN: Duration = Duration::from_micros(20);
 
 struct Mapped {
     path: PathBuf,
+    /// Registers `map`'s range with the truncation-fault handler. Declared before `map` so that
+    /// it is dropped (unregistered) before the range is unmapped.
+    guard: fault::Guard,
     map: Mmap,
     geo: Geometry,
     dev: u64,
@@ -51,7 +55,17 @@ impl Mapped {
         // backed; all concurrently-mutated words are read through atomics,
         // payload bytes through validated `RecordView`s.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| ShmError::io(path, e))?;
+        // Guarded before the first access: a file truncated from here on reads as zeros
+        // instead of raising SIGBUS (fault.rs), and the reader reports it.
+        let guard = fault::guard(map.as_ptr(), map.len());
         let geo = parse_header(path, Base::new(&map))?;
+        if guard.faulted() {
+            return Err(ShmError::TooSmall {
+                path: path.into(),
+                len: file.metadata().map(|m| m.len()).unwrap_or(0),
+                need: map.len() as u64,
+            });
+        }
         let wake = OpenOptions::new()
             .read(true)
             .write(true)
@@ -63,6 +77,7 @@ impl Mapped {
             .filter(|m| Base::new(m).load(0) == WAKE_MAGIC);
         Ok(Mapped {
             path: path.into(),
+            guard,
             map,
             geo,
             dev: md.dev(),
@@ -143,6 +158,11 @@ pub enum ReadOutcome<'a> {
         /// The next record this reader will return.
         resume_at: u64,
     },
+    /// The ring file was truncated under this reader (someone shrank the file it maps): a page
+    /// of the mapping is gone. Without this the access would have been `SIGBUS`. Nothing read
+    /// from the mapping since can be trusted, and this reader returns `Truncated` from now on
+    /// without touching it; open a new reader once the writer has re-created the ring.
+    Truncated,
 }
 
 enum Polled {
@@ -268,14 +288,8 @@ impl RingReader {
                 meta,
                 crc,
             } => {
-                // SAFETY: in bounds (`payload_ptr`). These bytes may be rewritten by the writer
-                // while they are checksummed (the torn-read contract of `RecordView::payload`):
-                // the slice only feeds the checksum, and its result is used only if
-                // `Ring::verify` then finds the record intact; otherwise it is discarded and
-                // the read reported as a lap.
-                let payload =
-                    unsafe { std::slice::from_raw_parts(self.m.payload_ptr(pos, len), len) };
-                match ring.verify(want, pos, record_crc(want, len, &meta, payload) == crc) {
+                let sum = self.payload_crc(record_crc_header(want, len, &meta), pos, len);
+                match ring.verify(want, pos, sum == crc) {
                     Ok(()) => {
                         self.pos.set(want + 1);
                         return Polled::Record {
@@ -308,6 +322,29 @@ impl RingReader {
             Read::Empty => Polled::Empty,
             Read::Record { .. } => unreachable!("Ring::verify fails only with Lapped or Corrupt"),
         }
+    }
+
+    /// `crc` continued over the `len` payload bytes at `pos`. The writer may be rewriting those
+    /// bytes meanwhile, so no reference to them is formed: they are copied through raw pointers,
+    /// a piece at a time, into a buffer of this thread's, and only the copy is checksummed. The
+    /// result counts only if `Ring::verify` then finds the record intact (otherwise the read is
+    /// a lap and the sum is discarded).
+    fn payload_crc(&self, mut crc: u32, pos: u64, len: usize) -> u32 {
+        const PIECE: usize = 4096;
+        let mut buf = [0u8; PIECE];
+        let src = self.m.payload_ptr(pos, len);
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(PIECE);
+            // SAFETY: `src + done .. src + done + n` lies within the `len` bytes that
+            // `payload_ptr` proved in bounds; `buf` is a distinct local array of at least `n`
+            // bytes. The mapping is read-only here, and racing bytes are only copied (a seqlock
+            // read, validated by `Ring::verify`), never borrowed.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(done), buf.as_mut_ptr(), n) };
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            done += n;
+        }
+        crc
     }
 
     /// Classify an empty poll: reset, writer gone, or just nothing new.
@@ -368,6 +405,10 @@ impl RingReader {
     }
 
     fn outcome(&self, p: Polled) -> ReadOutcome<'_> {
+        // Whatever was polled from a mapping that faulted meanwhile is zeros, not the file.
+        if self.truncated() {
+            return ReadOutcome::Truncated;
+        }
         match p {
             Polled::Record {
                 seq,
@@ -390,15 +431,27 @@ impl RingReader {
     /// Non-blocking read of the record at [`position`](Self::position).
     #[allow(clippy::should_implement_trait)] // name fixed by kvbridge's API
     pub fn next(&mut self) -> ReadOutcome<'_> {
+        if self.truncated() {
+            return ReadOutcome::Truncated;
+        }
         let p = self.poll();
         if let Polled::Empty = p {
-            return match self.idle() {
+            let idle = self.idle();
+            if self.truncated() {
+                return ReadOutcome::Truncated;
+            }
+            return match idle {
                 Idle::Empty => ReadOutcome::Empty,
                 Idle::Gone => ReadOutcome::WriterGone,
                 Idle::Reset(id) => ReadOutcome::RingReset { new_ring_id: id },
             };
         }
         self.outcome(p)
+    }
+
+    /// Whether the ring file was truncated under this reader ([`ReadOutcome::Truncated`]).
+    pub fn truncated(&self) -> bool {
+        self.m.guard.faulted()
     }
 
     /// Like [`next`](Self::next) but waits up to `timeout` for a record:
@@ -409,6 +462,9 @@ impl RingReader {
         let start = Instant::now();
         let deadline = start + timeout;
         loop {
+            if self.truncated() {
+                return ReadOutcome::Truncated;
+            }
             let p = self.poll();
             if !matches!(p, Polled::Empty) {
                 return self.outcome(p);
@@ -432,7 +488,11 @@ impl RingReader {
             if arrived {
                 continue;
             }
-            let gone = match self.idle() {
+            let idle = self.idle();
+            if self.truncated() {
+                return ReadOutcome::Truncated;
+            }
+            let gone = match idle {
                 Idle::Reset(id) => return ReadOutcome::RingReset { new_ring_id: id },
                 Idle::Gone => true,
                 Idle::Empty => false,
@@ -550,7 +610,7 @@ impl RecordView<'_> {
     /// is then moved back to this record so that the next `next()` reports
     /// `Lapped` for it.
     pub fn is_intact(&self) -> bool {
-        let ok = self.r.m.ring().intact(self.pos);
+        let ok = !self.r.truncated() && self.r.m.ring().intact(self.pos) && !self.r.truncated();
         if !ok && self.r.pos.get() > self.seq {
             self.r.pos.set(self.seq);
         }

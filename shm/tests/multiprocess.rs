@@ -164,6 +164,8 @@ fn run_reader(path: PathBuf) {
             }
             // Nothing corrupts this ring: laps and a SIGKILLed writer must never look like it.
             ReadOutcome::Corrupt { seq, .. } => fail(format!("spurious corrupt record {seq}")),
+            // Nor shrinks the file.
+            ReadOutcome::Truncated => fail("spurious truncation".to_string()),
         }
     }
     println!(

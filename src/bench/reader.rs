@@ -185,7 +185,7 @@ pub fn run_reader(
                     std::hint::spin_loop();
                 }
             }
-            ReadOutcome::WriterGone | ReadOutcome::RingReset { .. } => {
+            ReadOutcome::WriterGone | ReadOutcome::RingReset { .. } | ReadOutcome::Truncated => {
                 d.errors += 1;
                 break;
             }

@@ -115,6 +115,12 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
+            ReadOutcome::Truncated => {
+                return Err(CliError::Failed(format!(
+                    "--shm {}: the ring file was truncated while it was being read (something other than its writer shrank it)",
+                    a.shm.display()
+                )));
+            }
             ReadOutcome::RingReset { new_ring_id } => {
                 eprintln!("kvbridge tail: the ring was re-created (id {new_ring_id:#x}); reading it from its oldest record");
                 reader = RingReader::open(&a.shm)

@@ -425,6 +425,11 @@ impl Subscription {
                         "ring writer restarted; resubscribe with the same cursor",
                     ));
                 }
+                ReadOutcome::Truncated => {
+                    return Err(Status::unavailable(
+                        "the ring file was truncated under kvbridge; resubscribe with the same cursor once it is back",
+                    ));
+                }
             }
         }
     }

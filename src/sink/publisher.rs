@@ -231,7 +231,9 @@ impl Publisher {
                     return Ok(Some(self.cleared(seq, seq + 1, "corrupt")));
                 }
                 ReadOutcome::Empty => return Ok(None),
-                ReadOutcome::RingReset { .. } | ReadOutcome::WriterGone => return Err(()),
+                ReadOutcome::RingReset { .. }
+                | ReadOutcome::WriterGone
+                | ReadOutcome::Truncated => return Err(()),
             }
         }
     }

@@ -46,6 +46,12 @@
 // writer) and was skipped; the reader is positioned at `event.resume_at` = seq + 1.
 #define KVB_CORRUPT 5
 
+// `kvb_next`: the ring file was truncated under this reader (someone shrank the file it maps;
+// without this the read would have been `SIGBUS`). The reader reads nothing more: every later
+// `kvb_next` returns this again. Close it and open a new reader once the writer has re-created
+// the ring.
+#define KVB_TRUNCATED 6
+
 // A required pointer argument was NULL, or the path is empty.
 #define KVB_ERR_INVALID_ARGUMENT -1
 
@@ -154,7 +160,8 @@ int32_t kvb_seek(struct kvb_reader *r, uint64_t seq);
 // wait; negative: no limit). Waiting spins ~20 µs, then sleeps on the ring's futex.
 //
 // Returns [`KVB_OK`] (record in `*rec`), [`KVB_EMPTY`] (timeout), [`KVB_LAPPED`],
-// [`KVB_RING_RESET`], [`KVB_WRITER_GONE`] or [`KVB_CORRUPT`]; for the last four `*event` (if
+// [`KVB_RING_RESET`], [`KVB_WRITER_GONE`], [`KVB_CORRUPT`] or [`KVB_TRUNCATED`] (final: the file
+// shrank under the reader); for `KVB_LAPPED` … `KVB_CORRUPT` `*event` (if
 // not NULL) holds the numbers and the reader is already positioned at `event->resume_at`, so
 // calling `kvb_next` again simply goes on. With a timeout, [`KVB_WRITER_GONE`] is returned
 // only once it has passed (a writer restarting meanwhile is waited for); without one, after

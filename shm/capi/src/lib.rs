@@ -49,6 +49,11 @@ pub const KVB_WRITER_GONE: i32 = 4;
 /// `kvb_next`: record `event.seq` failed its checksum (changed by something other than the
 /// writer) and was skipped; the reader is positioned at `event.resume_at` = seq + 1.
 pub const KVB_CORRUPT: i32 = 5;
+/// `kvb_next`: the ring file was truncated under this reader (someone shrank the file it maps;
+/// without this the read would have been `SIGBUS`). The reader reads nothing more: every later
+/// `kvb_next` returns this again. Close it and open a new reader once the writer has re-created
+/// the ring.
+pub const KVB_TRUNCATED: i32 = 6;
 /// A required pointer argument was NULL, or the path is empty.
 pub const KVB_ERR_INVALID_ARGUMENT: i32 = -1;
 /// `kvb_open`: the ring file does not exist.
@@ -253,7 +258,8 @@ const SLICE: Duration = Duration::from_millis(100);
 /// wait; negative: no limit). Waiting spins ~20 µs, then sleeps on the ring's futex.
 ///
 /// Returns [`KVB_OK`] (record in `*rec`), [`KVB_EMPTY`] (timeout), [`KVB_LAPPED`],
-/// [`KVB_RING_RESET`], [`KVB_WRITER_GONE`] or [`KVB_CORRUPT`]; for the last four `*event` (if
+/// [`KVB_RING_RESET`], [`KVB_WRITER_GONE`], [`KVB_CORRUPT`] or [`KVB_TRUNCATED`] (final: the file
+/// shrank under the reader); for `KVB_LAPPED` … `KVB_CORRUPT` `*event` (if
 /// not NULL) holds the numbers and the reader is already positioned at `event->resume_at`, so
 /// calling `kvb_next` again simply goes on. With a timeout, [`KVB_WRITER_GONE`] is returned
 /// only once it has passed (a writer restarting meanwhile is waited for); without one, after
@@ -328,6 +334,7 @@ pub unsafe extern "C" fn kvb_next(
                     ev.seq = seq;
                     break KVB_CORRUPT;
                 }
+                ReadOutcome::Truncated => break KVB_TRUNCATED,
             }
         };
         if code != KVB_OK {
@@ -351,6 +358,7 @@ pub extern "C" fn kvb_strerror(code: i32) -> *const c_char {
         KVB_RING_RESET => c"the ring file was re-created; resuming at its oldest record",
         KVB_WRITER_GONE => c"the writer is gone (closed or killed)",
         KVB_CORRUPT => c"a damaged record (checksum mismatch) was skipped",
+        KVB_TRUNCATED => c"the ring file was truncated under this reader; open a new one",
         KVB_ERR_INVALID_ARGUMENT => c"invalid argument (NULL pointer or empty path)",
         KVB_ERR_NOT_FOUND => c"ring file does not exist",
         KVB_ERR_PERMISSION => c"no permission to open the ring file",

@@ -176,7 +176,7 @@ fn null_and_bad_arguments_are_codes() {
         assert_eq!(kvb_position(ptr::null_mut()), 0);
         kvb_close(ptr::null_mut());
     }
-    for code in -9..=6 {
+    for code in -9..=7 {
         // SAFETY: kvb_strerror returns a static NUL-terminated string for every code.
         let s = unsafe { CStr::from_ptr(kvb_strerror(code)) }
             .to_str()
