@@ -494,15 +494,27 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
     }
     let published = filler + 1 + batches.len() as u64;
 
-    // Wait until ingest has written the sentinel to both rings. Only then is the window
+    // Wait until ingest has written the last batch to both rings. Only then is the window
     // stable: a subscriber that starts while ingest still writes sees an O that the rest of the
-    // burst then overwrites, and the Python side, subscribing later, would start higher.
-    for rank in [None, Some(0)] {
-        let mut s = match rank {
-            None => subscribe(&bridge.url(), 0).await.expect("subscribe S=0"),
-            Some(r) => subscribe_rank(&bridge.url(), r).await,
-        };
-        collect_until(&mut s, T, |b| stored_hashes(b).contains(&sentinel)).await;
+    // burst then overwrites (and, reading from O of a ring that is still wrapping, can be lapped:
+    // DATA_LOSS). So the state is read from the ring files' own counters, without reading
+    // records: newest = one record per engine batch, numbered from 1.
+    let merged = dir.path().join("ring");
+    let rank0 = dir.path().join("ring-rank0");
+    let deadline = std::time::Instant::now() + T;
+    for ring in [&merged, &rank0] {
+        loop {
+            let newest = kvbridge_shm::RingReader::open(ring).map(|r| r.newest());
+            if matches!(newest, Ok(n) if n >= published) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} never reached record {published}: {newest:?}",
+                ring.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     // The retained window, as tonic decodes it (vLLM path, S = 0 → from O).
