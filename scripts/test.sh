@@ -5,7 +5,8 @@
 #   2. the repository stands alone: no file outside it is read or pointed at
 #   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
 #      that has no sibling folders (a test reading a file beside the repository fails to build)
-#   4. the loom model of the shm ring protocol
+#   4. the shm crate's tests in the debug profile (debug_asserts, overflow checks), the fuzz
+#      target's build, and the loom model of the shm ring protocol
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -45,6 +46,17 @@ sibling=shar
 sibling="$(dirname "$ALONE")/${sibling}ed"
 test ! -e "$sibling" || { echo "$sibling exists beside the standalone copy"; exit 1; }
 (cd "$ALONE" && cargo test --release --workspace)
+
+# The ring crate's tests once more in the debug profile: its debug_asserts and integer overflow
+# checks run only there (the suite above is --release).
+echo "== shm crate, debug profile: cargo test -p kvbridge-shm"
+cargo test -p kvbridge-shm
+
+# The decoder's fuzz target must keep building (running it needs a nightly toolchain and
+# cargo-fuzz; the corpus it found is replayed by tests/decode_fuzz_corpus.rs). Not --locked:
+# fuzz/Cargo.lock keeps its pins, and only what the main crate added since is resolved.
+echo "== fuzz target: cargo check --manifest-path fuzz/Cargo.toml"
+cargo check --manifest-path fuzz/Cargo.toml
 
 # The loom model builds the shm crate with --cfg loom, in its own target directory so that it
 # does not invalidate the main build.

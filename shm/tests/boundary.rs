@@ -92,7 +92,8 @@ fn padding_and_implicit_skip_at_wrap() {
         write(&mut w, l);
     }
     let left = 131072 - w.cursor().tail;
-    let len = (left as usize - RECORD_HEADER_LEN) + 500;
+    // A record 500 bytes longer than what is left (`left` may be shorter than a header).
+    let len = (left as usize + 500) - RECORD_HEADER_LEN;
     write(&mut w, len);
     assert_eq!(w.cursor().tail, 131072 + record_size(len));
     let mut seen = 0;
