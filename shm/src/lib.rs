@@ -91,7 +91,7 @@
 //! * `benches/append.rs` (criterion, vs memcpy) and `benches/latency.rs`
 //!   (cross-process, HdrHistogram, busy-poll and futex readers).
 
-#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 
 /// The byte layout of `LAYOUT.md` as constants: offsets, sizes, magic numbers. Public because

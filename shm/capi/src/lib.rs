@@ -21,7 +21,7 @@
 //!   its own (opening is cheap, the mapping is read-only and shared by the kernel).
 //! * **No panic crosses the boundary**: each entry point catches unwinding and returns
 //!   [`KVB_ERR_PANIC`].
-#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs, unreachable_pub)]
 #![allow(non_camel_case_types)] // C type names
 
