@@ -2,7 +2,8 @@
 # Everything CI checks, fast gates first. Run from anywhere: `bash scripts/test.sh`.
 #
 #   1. formatting, lints (-D warnings), docs (-D warnings)     — seconds to minutes, fail early
-#   2. the repository stands alone: no file outside it is read or pointed at
+#   2. the repository stands alone: no file outside it is read or pointed at; the Prometheus
+#      alert rules in ops/prometheus/ check and pass their unit tests (promtool)
 #   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
 #      that has no sibling folders (a test reading a file beside the repository fails to build)
 #   4. the loom model of the shm ring protocol
@@ -31,6 +32,11 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 
 echo "== standalone: nothing points outside the repository"
 bash scripts/check-standalone.sh
+
+echo "== ops/prometheus: promtool check rules, promtool test rules"
+PROMTOOL=$(bash scripts/promtool.sh | tail -1)
+"$PROMTOOL" check rules ops/prometheus/kvbridge-rules.yml
+(cd ops/prometheus && "$PROMTOOL" test rules kvbridge-rules.test.yml)
 
 echo "== standalone copy: cargo test --release --workspace"
 # A copy of the tracked files (as a clone would have them) in a folder with no siblings. The
