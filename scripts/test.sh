@@ -6,7 +6,8 @@
 #      alert rules in ops/prometheus/ check and pass their unit tests (promtool)
 #   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
 #      that has no sibling folders (a test reading a file beside the repository fails to build)
-#   4. the loom model of the shm ring protocol
+#   4. the wheel: built, installed --no-index into a fresh venv, its binary and module used
+#   5. the loom model of the shm ring protocol
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -51,6 +52,14 @@ sibling=shar
 sibling="$(dirname "$ALONE")/${sibling}ed"
 test ! -e "$sibling" || { echo "$sibling exists beside the standalone copy"; exit 1; }
 (cd "$ALONE" && cargo test --release --workspace)
+
+# The wheel a user installs: built (its own target triple, x86_64-unknown-linux-gnu/, in the same
+# target directory), installed with --no-index into a fresh venv, `kvbridge --version`,
+# `kvbridge demo` and the installed kvbridge_shm reading the demo's ring.
+echo "== the wheel: scripts/check-wheel.sh"
+wheel_t0=$(date +%s)
+bash scripts/check-wheel.sh
+echo "== the wheel step took $(( $(date +%s) - wheel_t0 )) s"
 
 # The loom model builds the shm crate with --cfg loom, in its own target directory so that it
 # does not invalidate the main build.
