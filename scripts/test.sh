@@ -2,10 +2,12 @@
 # Everything CI checks, fast gates first. Run from anywhere: `bash scripts/test.sh`.
 #
 #   1. formatting, lints (-D warnings), docs (-D warnings)     — seconds to minutes, fail early
-#   2. the repository stands alone: no file outside it is read or pointed at
+#   2. the repository stands alone: no file outside it is read or pointed at; the Prometheus
+#      alert rules in ops/prometheus/ check and pass their unit tests (promtool)
 #   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
 #      that has no sibling folders (a test reading a file beside the repository fails to build)
-#   4. the shm crate's tests in the debug profile (debug_asserts, overflow checks), the fuzz
+#   4. the wheel: built, installed --no-index into a fresh venv, its binary and module used
+#   5. the shm crate's tests in the debug profile (debug_asserts, overflow checks), the fuzz
 #      target's build, and the loom model of the shm ring protocol
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +35,11 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 echo "== standalone: nothing points outside the repository"
 bash scripts/check-standalone.sh
 
+echo "== ops/prometheus: promtool check rules, promtool test rules"
+PROMTOOL=$(bash scripts/promtool.sh | tail -1)
+"$PROMTOOL" check rules ops/prometheus/kvbridge-rules.yml
+(cd ops/prometheus && "$PROMTOOL" test rules kvbridge-rules.test.yml)
+
 echo "== standalone copy: cargo test --release --workspace"
 # A copy of the tracked files (as a clone would have them) in a folder with no siblings. The
 # target directory is shared with the checkout so dependencies are not built twice; `--touch`
@@ -46,6 +53,14 @@ sibling=shar
 sibling="$(dirname "$ALONE")/${sibling}ed"
 test ! -e "$sibling" || { echo "$sibling exists beside the standalone copy"; exit 1; }
 (cd "$ALONE" && cargo test --release --workspace)
+
+# The wheel a user installs: built (its own target triple, x86_64-unknown-linux-gnu/, in the same
+# target directory), installed with --no-index into a fresh venv, `kvbridge --version`,
+# `kvbridge demo` and the installed kvbridge_shm reading the demo's ring.
+echo "== the wheel: scripts/check-wheel.sh"
+wheel_t0=$(date +%s)
+bash scripts/check-wheel.sh
+echo "== the wheel step took $(( $(date +%s) - wheel_t0 )) s"
 
 # The ring crate's tests once more in the debug profile: its debug_asserts and integer overflow
 # checks run only there (the suite above is --release).

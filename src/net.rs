@@ -50,6 +50,15 @@ pub enum AcceptErrorKind {
 }
 
 impl AcceptErrorKind {
+    /// Every kind (the metric's label values).
+    const ALL: [AcceptErrorKind; 5] = [
+        Self::Emfile,
+        Self::Enfile,
+        Self::NoMemory,
+        Self::Connection,
+        Self::Other,
+    ];
+
     /// Classifies an `accept(2)` error.
     pub fn of(e: &io::Error) -> Self {
         match e.raw_os_error() {
@@ -100,6 +109,10 @@ impl Acceptor {
     /// Accepts on `listener`; `name` is the `listener` label (`grpc`, `metrics`), `errors` the
     /// `kvbridge_accept_errors_total` family.
     pub fn new(listener: TcpListener, name: &'static str, errors: IntCounterVec) -> Self {
+        // Every kind at 0 from the start, so that alerts see the first failure (`increase()`).
+        for kind in AcceptErrorKind::ALL {
+            errors.with_label_values(&[name, kind.label()]);
+        }
         Acceptor {
             listener,
             name,

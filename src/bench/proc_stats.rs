@@ -14,10 +14,15 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
 
 /// Peak resident set size (`VmHWM`) of `pid`, in KiB.
 pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmHWM")
+}
+
+/// A size field of `/proc/PID/status` (`VmRSS`, `VmSize`, `VmHWM`, …), in KiB.
+pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 

@@ -113,6 +113,9 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     let cfg = args.resolve().map_err(|e| CliError::Setup(e.to_string()))?;
     let service = super::run_service(&cfg).await?;
     let grpc = service.grpc_addr;
+    // Sequence numbers on screen count from the ring's first record of this run (its base is a 16-digit
+    // number, the Unix µs at which it was created).
+    let base = service.merged.window().1 + 1;
 
     // Engine threads: paced by the clock, one batch per tick, answering replay requests.
     let published = Arc::new(AtomicU64::new(0));
@@ -141,15 +144,22 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         service.merged.clone(),
     ));
 
-    println!(
-        "kvbridge demo: {} engine rank(s) at {} batches/s each → ring {} → gRPC {grpc}",
-        a.ranks,
-        a.rate,
-        shm.display()
+    // What a newcomer needs stays on every screen: where things are and what to try.
+    let ring = shm.display();
+    let mut guide = format!(
+        "{} engine rank(s) at {} batches/s each → ring → gRPC\n\
+         gRPC      {grpc}\n\
+         ring      {ring}\n",
+        a.ranks, a.rate
     );
     if let Some(m) = service.metrics_addr {
-        println!("metrics: http://{m}/metrics   try: kvbridge subscribe --grpc {grpc} --count 3   |   kvbridge tail --shm {} --count 3", shm.display());
+        guide.push_str(&format!("metrics   http://{m}/metrics\n"));
     }
+    guide.push_str(&format!(
+        "try       kvbridge subscribe --grpc {grpc} --count 3\n          \
+         kvbridge tail --shm {ring} --count 3\n"
+    ));
+    println!("kvbridge demo: {guide}");
     let started = Instant::now();
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -172,15 +182,15 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
         let screen = format!(
             "kvbridge demo — {:>4}s\n\
              engine in     {:>8} batches/s   ({} ranks)\n\
-             ring          seq {}..{}  ({} records retained)\n\
+             ring          #{}..#{} of this run  ({} records retained; #1 = seq {base})\n\
              gRPC out      {:>8} batches/s   to {} subscribers   p50 {} µs  p99 {} µs  ({} samples)\n\
              shm reader    p50 {} µs  p99 {} µs  ({} samples)\n\
              loss          gRPC resubscribes {}   shm laps {}   malformed frames {}\n",
             started.elapsed().as_secs(),
             pubd - last_pub,
             a.ranks,
-            o,
-            n,
+            (o + 1).saturating_sub(base),
+            (n + 1).saturating_sub(base),
             n.saturating_sub(o) + u64::from(n >= o),
             sent - last_sent,
             service.fanout.active(),
@@ -195,7 +205,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
             frames_dropped,
         );
         if tty {
-            println!("\x1b[H\x1b[2J{screen}(Ctrl-C to stop)");
+            println!("\x1b[H\x1b[2J{screen}\n{guide}\n(Ctrl-C to stop)");
         } else {
             println!("{screen}");
         }

@@ -98,6 +98,8 @@ pub struct Metrics {
     pub subscriber_lag: Histogram,
     /// Sidecar mode (`--engine-grpc`): forwarding to the engine.
     pub proxy: ProxyMetrics,
+    /// The process's own CPU, memory and descriptors (`process_*`, read at every scrape).
+    process: ProcessMetrics,
 }
 
 fn counter(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -155,7 +157,7 @@ impl Metrics {
         )
         .expect("metric");
         r.register(Box::new(bytes_sent.clone())).expect("unique");
-        Metrics {
+        let m = Metrics {
             batches_received: counter(
                 &r,
                 "batches_received_total",
@@ -343,15 +345,24 @@ impl Metrics {
             send_latency,
             subscriber_lag,
             proxy: ProxyMetrics::new(&r),
+            process: ProcessMetrics::new(),
             registry: r,
+        };
+        // Counters that alerts take `increase()` of exist at 0 from the start: a series that
+        // first appears at 1 shows no increase, so the first event would go unseen.
+        for s in crate::proto::ENGINE_SERVICES {
+            m.slow_disconnects.with_label_values(&[s.path]);
         }
+        m
     }
 
     /// The metrics page in the Prometheus text format.
     pub fn render(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 * 1024);
+        let mut families = self.registry.gather();
+        families.extend(self.process.gather());
         TextEncoder::new()
-            .encode(&self.registry.gather(), &mut out)
+            .encode(&families, &mut out)
             .expect("text encoding");
         out
     }
@@ -360,6 +371,10 @@ impl Metrics {
     pub fn rank(&self, rank: u32) -> RankMetrics {
         let r = rank.to_string();
         let l = [r.as_str()];
+        for cause in crate::ring::ClearCause::ALL {
+            self.synthesized_clears
+                .with_label_values(&[r.as_str(), cause.label()]);
+        }
         RankMetrics {
             label: r.clone(),
             batches: self.batches_received.with_label_values(&l),
@@ -581,5 +596,69 @@ impl ProxyMetrics {
                 &["outcome"],
             ),
         }
+    }
+}
+
+// ---- The process (CPU, memory, descriptors) ----
+
+/// The standard `process_*` metrics (the names Prometheus client libraries export, without the
+/// `kvbridge_` prefix, so stock dashboards and alerts apply), read from `/proc/self` at every
+/// scrape. Their own registry: the main one prefixes every name.
+struct ProcessMetrics {
+    registry: Registry,
+    cpu_seconds: prometheus::Counter,
+    resident: IntGauge,
+    virtual_bytes: IntGauge,
+    open_fds: IntGauge,
+}
+
+impl ProcessMetrics {
+    fn new() -> Self {
+        let registry = Registry::new();
+        let int_gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let cpu_seconds = prometheus::Counter::new(
+            "process_cpu_seconds_total",
+            "User and system CPU time spent, seconds",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(cpu_seconds.clone()))
+            .expect("unique metric");
+        ProcessMetrics {
+            cpu_seconds,
+            resident: int_gauge("process_resident_memory_bytes", "Resident memory size"),
+            virtual_bytes: int_gauge("process_virtual_memory_bytes", "Virtual memory size"),
+            open_fds: int_gauge("process_open_fds", "Open file descriptors"),
+            registry,
+        }
+    }
+
+    /// Reads `/proc/self` into the metrics and gathers them.
+    fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use crate::bench::proc_stats;
+        let pid = std::process::id();
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        if let Some(cpu) = proc_stats::cpu_seconds(pid) {
+            let delta = cpu - self.cpu_seconds.get();
+            if delta > 0.0 {
+                self.cpu_seconds.inc_by(delta);
+            }
+        }
+        if let Some(kib) = proc_stats::status_kib(pid, "VmRSS") {
+            self.resident.set(clamp(kib.saturating_mul(1024)));
+        }
+        if let Some(kib) = proc_stats::status_kib(pid, "VmSize") {
+            self.virtual_bytes.set(clamp(kib.saturating_mul(1024)));
+        }
+        if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+            self.open_fds.set(clamp(fds.count() as u64));
+        }
+        self.registry.gather()
     }
 }

@@ -27,6 +27,9 @@ impl RingMetrics {
     pub(super) fn new(m: &Metrics, label: &str, capacity: u64, record_size: bool) -> Self {
         let l = [label];
         m.ring_capacity.with_label_values(&l).set(capacity as i64);
+        // At 0 from the start, so that alerts see the first one (`increase()`).
+        m.ring_reader_laps.with_label_values(&l);
+        m.ring_corrupt_records.with_label_values(&l);
         RingMetrics {
             records: m.ring_records.with_label_values(&l),
             bytes: m.ring_bytes.with_label_values(&l),

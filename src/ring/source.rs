@@ -91,6 +91,16 @@ pub enum ClearCause {
 }
 
 impl ClearCause {
+    /// Every cause (the metric's label values).
+    pub const ALL: [ClearCause; 6] = [
+        ClearCause::EngineRestart,
+        ClearCause::UnfillableGap,
+        ClearCause::MissingHistory,
+        ClearCause::Undecodable,
+        ClearCause::ReplayOverflow,
+        ClearCause::LostRemoval,
+    ];
+
     /// Metric label.
     pub fn label(self) -> &'static str {
         match self {

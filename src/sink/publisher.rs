@@ -86,6 +86,8 @@ impl Publisher {
     ) -> Self {
         let reader = hub.reader();
         let ring_id = reader.ring_id();
+        // At 0 from the start, so that dashboards and alerts see the first failure.
+        metrics.failures.with_label_values(&[&subject]);
         Publisher {
             js,
             stream,

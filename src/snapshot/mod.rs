@@ -114,7 +114,7 @@ impl SnapshotMetrics {
         };
         let seconds = HistogramVec::new(
             HistogramOpts::new(
-                "kvbridge_snapshot_serve_seconds",
+                "snapshot_serve_seconds",
                 "time to build a snapshot (image copy under the lock + chunk encoding)",
             )
             .buckets(vec![0.0005, 0.002, 0.01, 0.05, 0.2, 1.0, 5.0]),
@@ -124,27 +124,27 @@ impl SnapshotMetrics {
         let _ = reg.register(Box::new(seconds.clone()));
         Arc::new(SnapshotMetrics {
             blocks: gauge(
-                "kvbridge_snapshot_table_blocks",
+                "snapshot_table_blocks",
                 "blocks held by the snapshot table, per ring and rank",
                 &["ring", "rank"],
             ),
             bytes: gauge(
-                "kvbridge_snapshot_table_bytes",
+                "snapshot_table_bytes",
                 "bytes held by the snapshot table, per ring",
                 &["ring"],
             ),
             unknown: gauge(
-                "kvbridge_snapshot_table_unknown",
+                "snapshot_table_unknown",
                 "events the table could not follow since the last clear (0 = complete)",
                 &["ring"],
             ),
             served: counter(
-                "kvbridge_snapshots_served_total",
+                "snapshots_served_total",
                 "snapshots served, per ring and completeness",
                 &["ring", "complete"],
             ),
             chunks: counter(
-                "kvbridge_snapshot_chunks_total",
+                "snapshot_chunks_total",
                 "snapshot chunks served, per ring",
                 &["ring"],
             ),
