@@ -479,10 +479,11 @@ async fn three_node_cluster_leader_sigkilled_20_times_the_stream_is_the_ring_in_
     extra.extend(nats_flags(&urls, 3, "w1"));
     let (bridge, metrics) = Bridge::start_with_metrics(dir.path(), &shm, &extra);
     let subject = "kv.w1.merged";
-    // Each run: PER_RUN batches at 10,000/s, the stream's leader SIGKILLed halfway (publications
-    // in flight), restarted when the run's batches are in; then the sink catches up.
+    // Each run: PER_RUN batches as fast as kvbridge takes them (the sink's pipeline full), the
+    // stream's leader SIGKILLed halfway (publications in flight), restarted when the run's
+    // batches are in; then the sink catches up.
     const KILLS: usize = 20;
-    const PER_RUN: usize = 1_000;
+    const PER_RUN: usize = 3_000;
     let mut nodes = nodes;
     let mut engine = engine;
     let mut shm = shm;
@@ -495,19 +496,11 @@ async fn three_node_cluster_leader_sigkilled_20_times_the_stream_is_the_ring_in_
         let li = nodes.iter().position(|n| n.name == leader).unwrap();
         let d = dir.path().to_path_buf();
         (nodes, engine, shm) = tokio::task::spawn_blocking(move || {
-            drive_paced(
-                &engine,
-                &shm,
-                7 + run as u64,
-                PER_RUN,
-                100,
-                Some(10_000),
-                |sent| {
-                    if sent == PER_RUN / 2 {
-                        nodes[li].kill();
-                    }
-                },
-            );
+            drive_paced(&engine, &shm, 7 + run as u64, PER_RUN, 500, None, |sent| {
+                if sent == PER_RUN / 2 {
+                    nodes[li].kill();
+                }
+            });
             nodes[li].restart(&d);
             (nodes, engine, shm)
         })
@@ -863,6 +856,16 @@ async fn nats_down_for_10s_grpc_unaffected_and_the_sink_catches_up_from_the_ring
     drop(node);
 }
 
+/// [`drive`] (chunks of 100) on a blocking thread; hands the engine and the ring path back.
+async fn drive_off_thread(engine: Engine, shm: PathBuf, seed: u64, n: usize) -> (Engine, PathBuf) {
+    tokio::task::spawn_blocking(move || {
+        drive(&engine, &shm, seed, n, 100, |_| {});
+        (engine, shm)
+    })
+    .await
+    .unwrap()
+}
+
 /// Issue 22: NATS is optional at run time. Started with NATS down, kvbridge serves gRPC at once;
 /// the sink catches up when NATS comes, and again after NATS stops and comes back; the stream
 /// holds every record once, in order; kvbridge never exits.
@@ -883,12 +886,7 @@ async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
     assert_eq!(common::metric(&page, "kvbridge_nats_connected", &[]), 0.0);
 
     // 300 batches with NATS down: gRPC delivers them at once.
-    let (engine, shm) = tokio::task::spawn_blocking(move || {
-        drive(&engine, &shm, 21, 300, 100, |_| {});
-        (engine, shm)
-    })
-    .await
-    .unwrap();
+    let (engine, shm) = drive_off_thread(engine, shm, 21, 300).await;
     let got = common::collect_until(&mut sub, Duration::from_secs(30), |b| {
         b.last().is_some_and(|l| l.sequence_number >= 300)
     })
@@ -921,20 +919,10 @@ async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
     assert_exactly_the_ring(&got, &ring_records(&shm), 300);
 
     // 300 more while NATS is up, then NATS stopped, 300 more, NATS started again.
-    let (engine, shm) = tokio::task::spawn_blocking(move || {
-        drive(&engine, &shm, 22, 300, 100, |_| {});
-        (engine, shm)
-    })
-    .await
-    .unwrap();
+    let (engine, shm) = drive_off_thread(engine, shm, 22, 300).await;
     caught_up(&shm, 600).await.unwrap();
     node.kill();
-    let (engine, shm) = tokio::task::spawn_blocking(move || {
-        drive(&engine, &shm, 23, 300, 100, |_| {});
-        (engine, shm)
-    })
-    .await
-    .unwrap();
+    let (engine, shm) = drive_off_thread(engine, shm, 23, 300).await;
     let got = common::collect_until(&mut sub, Duration::from_secs(30), |b| {
         b.last().is_some_and(|l| l.sequence_number >= 900)
     })

@@ -25,8 +25,9 @@
 //!   batch names the stream sequence of the last message on the subject that the previous
 //!   acknowledgement (or the stream itself) reported. A batch whose predecessor is missing
 //!   cannot be stored; a batch cut by a leader change is abandoned whole ("incomplete",
-//!   10176). After any failure the publisher asks the stream where the subject ends and goes on
-//!   from there. While records arrive faster than a commit round trip, batches grow by
+//!   10176). After a passing failure the same records are sent again after the same message;
+//!   when that is refused (the first attempt was stored after all), and after any other refusal,
+//!   the publisher asks the stream where the subject ends and goes on from there. While records arrive faster than a commit round trip, batches grow by
 //!   themselves, so the cost is one round trip per batch, not per record
 //!   (`scripts/nats-bench.sh` measures it against the bare pipelined publisher; docs/nats-sink.md).
 //!
@@ -122,7 +123,9 @@ enum State {
 
 enum Ended {
     Stop,
-    Retry,
+    /// Try again: from this (stream sequence, ring sequence) when known locally, else from where
+    /// the stream says the subject ends.
+    Retry(Option<(u64, u64)>),
 }
 
 /// Capped exponential backoff.
@@ -222,8 +225,13 @@ impl Publisher {
 
     pub(super) async fn run(mut self) {
         let mut backoff = Backoff(Backoff::FIRST);
+        let mut local = None;
         while !self.stopping() {
-            let (stream_seq, start) = match self.resume_point().await {
+            let resume = match local.take() {
+                Some((s, n)) => Ok((s, Resume::At(n))),
+                None => self.resume_point().await,
+            };
+            let (stream_seq, start) = match resume {
                 Ok((s, Resume::At(n))) => {
                     self.acked = n - 1;
                     (s, n)
@@ -241,7 +249,10 @@ impl Publisher {
             };
             match self.pump(stream_seq, start, &mut backoff).await {
                 Ended::Stop => break,
-                Ended::Retry => self.pause(&mut backoff).await,
+                Ended::Retry(l) => {
+                    local = l;
+                    self.pause(&mut backoff).await
+                }
             }
         }
     }
@@ -538,6 +549,11 @@ impl Publisher {
                 }
                 Err(f) => {
                     let first = batch[0].seq;
+                    // After a passing failure, the batch is sent again after the same message:
+                    // if it was stored after all, that is refused (for order or as a duplicate)
+                    // and only then is the stream asked where the subject ends. A synthesized
+                    // first record is re-derived from the stream instead.
+                    let mut local = None;
                     match f {
                         Failure::Order(why) => {
                             self.metrics
@@ -566,9 +582,12 @@ impl Publisher {
                             self.metrics.failures.with_label_values(&[&subject]).inc();
                             tracing::debug!(subject = %subject, first, error = %why, "batch not stored");
                             self.set_state(State::Failing("publish"), &why);
+                            if batch[0].cleared.is_none() {
+                                local = Some((after, first));
+                            }
                         }
                     }
-                    return Ended::Retry;
+                    return Ended::Retry(local);
                 }
             }
         }
