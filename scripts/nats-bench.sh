@@ -14,6 +14,9 @@
 #   scripts/nats-bench.sh [RATE [SECONDS [SUBSCRIBERS]]]      # default 10000 10 1
 #   FLOOR_R1=1 scripts/nats-bench.sh ...    # also the floor into a 1-replica stream (what
 #                                           # the replication itself costs)
+#   BEFORE=/path/to/old/kvbridge scripts/nats-bench.sh ...
+#                                           # also that build's sink, same cluster and load,
+#                                           # before and after this one's (an A/B of a change)
 #
 # Route ports are taken from the kernel (bind port 0, release) because every node's --routes must
 # name them before it starts; client ports are chosen by nats-server (-p -1) and read from its log.
@@ -64,7 +67,12 @@ if [ -n "${FLOOR_R1:-}" ]; then
     "$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
         --nats "$URLS" --nats-replicas 1 --nats-floor
 fi
-echo
-echo "== with the NATS sink (3-replica stream on a 3-node cluster): same load"
-"$KVB" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
-    --nats "$URLS" --nats-replicas 3
+sink_row() { # LABEL BINARY
+    echo
+    echo "== $1 (3-replica stream on a 3-node cluster): same load"
+    "$2" bench --rate "$RATE" --duration "$SECS" --subscribers "$SUBS" --shm-readers 0 \
+        --nats "$URLS" --nats-replicas 3
+}
+if [ -n "${BEFORE:-}" ]; then sink_row "BEFORE: the NATS sink of $BEFORE" "$BEFORE"; fi
+sink_row "with the NATS sink" "$KVB"
+if [ -n "${BEFORE:-}" ]; then sink_row "BEFORE again: the NATS sink of $BEFORE" "$BEFORE"; fi

@@ -862,6 +862,10 @@ concern! {
         /// Trust this PEM CA for the NATS servers' TLS certificates (and require TLS).
         #[arg(long, value_name = "FILE")]
         pub nats_tls_ca: Option<PathBuf>,
+        /// Refuse to start (exit 2) unless NATS answers and the stream is usable; by default
+        /// kvbridge serves without NATS and the sink connects in the background.
+        #[arg(long)]
+        pub nats_required: bool,
     }
 }
 
@@ -884,6 +888,8 @@ pub struct NatsConfig {
     pub creds: Option<PathBuf>,
     /// CA for TLS.
     pub tls_ca: Option<PathBuf>,
+    /// Fail-fast start-up: no NATS, no kvbridge (`--nats-required`).
+    pub required: bool,
 }
 
 /// Whether `s` is usable as one NATS subject token (and a stream name): non-empty, and only
@@ -927,6 +933,7 @@ impl NatsArgs {
                 ("nats-worker-id", self.nats_worker_id.is_some()),
                 ("nats-creds", self.nats_creds.is_some()),
                 ("nats-tls-ca", self.nats_tls_ca.is_some()),
+                ("nats-required", self.nats_required),
             ];
             if let Some((name, _)) = given.iter().find(|(_, g)| *g) {
                 return Err(invalid(format!("--{name} needs --nats")));
@@ -1007,6 +1014,7 @@ impl NatsArgs {
             worker_id: self.nats_worker_id,
             creds: self.nats_creds,
             tls_ca: self.nats_tls_ca,
+            required: self.nats_required,
         }))
     }
 }
@@ -1714,6 +1722,7 @@ mod tests {
             flags(&v).resolve().unwrap_err().to_string()
         };
         assert_eq!(err(&["--nats-stream", "S"]), "--nats-stream needs --nats");
+        assert_eq!(err(&["--nats-required"]), "--nats-required needs --nats");
         assert!(err(&["--nats", "http://x:1"]).contains("not a NATS server URL"));
         assert!(
             err(&["--nats", "nats://x:1", "--nats-worker-id", "a.b"]).contains("one subject token")
@@ -1726,6 +1735,7 @@ mod tests {
         let n = c.nats.unwrap();
         assert_eq!(n.urls, ["nats://a:1", "nats://b:2"]);
         assert_eq!((n.replicas, n.max_age), (3, Duration::from_secs(3600)));
+        assert!(!n.required, "NATS is optional unless --nats-required");
         assert_eq!(
             (n.subject_prefix.as_str(), n.stream.as_str()),
             ("kv", "KV_EVENTS")
@@ -1928,6 +1938,11 @@ mod tests {
                 &format!("--nats nats://a:4222 --nats-tls-ca {cert}"),
                 &format!("nats = \"nats://a:4222\"\nnats-tls-ca = {cert:?}"),
                 &format!("nats = \"nats://a:4222\"\nnats-tls-ca = {cert2:?}"),
+            ),
+            row(
+                "--nats nats://a:4222 --nats-required",
+                "nats = \"nats://a:4222\"\nnats-required = true",
+                "nats = \"nats://a:4222\"\nnats-required = false",
             ),
             // Operations.
             row(

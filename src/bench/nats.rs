@@ -252,6 +252,7 @@ pub mod floor {
             worker_id: None,
             creds: None,
             tls_ca: None,
+            required: false,
         };
         let client = crate::sink::connect(&ncfg, "kvbridge bench floor")
             .await

@@ -256,6 +256,8 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                     &format!("bench-{}", std::process::id()),
                     "--nats-replicas",
                     &a.nats_replicas.to_string(),
+                    // The bench measures the sink: no NATS, no bench (one clear line).
+                    "--nats-required",
                     "--metrics",
                     &m.to_string(),
                 ]

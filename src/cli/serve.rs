@@ -243,8 +243,9 @@ async fn start_on_rings(
              will see gaps and spurious restarts on this stream"
         );
     }
-    // The NATS sink reads the rings like a subscriber; it starts before ingest so that a NATS
-    // set-up failure (unreachable, stream mismatch) stops the start cleanly.
+    // The NATS sink reads the rings like a subscriber; it starts before ingest so that, with
+    // --nats-required, a NATS set-up failure (unreachable, stream mismatch) stops the start
+    // cleanly. Without it, `start` returns at once and the sink sets itself up in the background.
     let sink = match &cfg.nats {
         Some(n) => {
             let mut rings = vec![("merged".to_string(), merged.clone())];

@@ -59,6 +59,7 @@ pub(super) async fn run(
         worker_id: Some(worker.clone()),
         creds: a.nats_creds.clone(),
         tls_ca: a.nats_tls_ca.clone(),
+        required: true,
     };
     let client = crate::sink::connect(&cfg, "kvbridge subscribe")
         .await
