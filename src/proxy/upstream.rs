@@ -148,8 +148,17 @@ impl Upstream {
         }
     }
 
-    /// Records what the probe found (only changes wake anyone).
+    /// Records what the probe found (only changes wake anyone). An engine that answers ends
+    /// every remembered connect failure: the next call on such a slot connects again.
     pub(crate) fn set_state(&self, state: EngineState) {
+        if state == EngineState::Up {
+            for slot in &self.slots {
+                let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+                if matches!(*slot, Slot::Failed { .. }) {
+                    *slot = Slot::Empty;
+                }
+            }
+        }
         self.state.send_if_modified(|s| {
             let changed = *s != state;
             *s = state;
