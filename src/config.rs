@@ -665,7 +665,7 @@ concern! {
         #[arg(long, value_name = "N")]
         pub max_subscribers: Option<usize>,
         /// HTTP/2 max concurrent streams per gRPC connection; more wait on the client
-        /// [default: 100].
+        /// [default: 100; with --engine-grpc none, so the engine's own limit applies].
         #[arg(long, value_name = "N")]
         pub max_streams_per_connection: Option<u32>,
         /// Close a gRPC connection that has not completed TLS (if on) and sent the HTTP/2

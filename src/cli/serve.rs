@@ -99,6 +99,8 @@ pub struct ServiceHandle {
     /// The NATS JetStream sink, when `--nats` is given.
     sink: Option<crate::sink::Sink>,
     checkpointer: Option<std::thread::JoinHandle<()>>,
+    /// Sidecar mode: told to stop accepting at the start of a shutdown.
+    sidecar: Option<Arc<crate::proxy::Sidecar>>,
 }
 
 impl ServiceHandle {
@@ -119,6 +121,11 @@ impl ServiceHandle {
                 .await;
         }
         self.metrics.health_serving.set(0);
+        // A sidecar's listener closes now: new calls are refused at once, not left to wait in
+        // the backlog for the drain (open streams drain as below).
+        if let Some(s) = &self.sidecar {
+            s.stop_accepting();
+        }
         let ingest = self.ingest;
         let _ = tokio::task::spawn_blocking(move || ingest.stop()).await;
         // The sink after ingest: what was committed is published (bounded wait for its acks).
@@ -342,7 +349,7 @@ async fn start_on_rings(
         handshake_timeout: Some(cfg.handshake_timeout),
         health: Some(reporter.clone()),
         reload: Some(cfg.secret_files.clone()),
-        sidecar,
+        sidecar: sidecar.clone(),
     };
     let edge = crate::fanout::edge(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;
@@ -381,6 +388,7 @@ async fn start_on_rings(
         hubs,
         sink,
         checkpointer,
+        sidecar,
     })
 }
 

@@ -22,7 +22,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::{Code, Status};
 
 use super::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
-use super::upstream::Upstream;
+use super::upstream::{EngineState, Upstream};
 use crate::metrics::Metrics;
 
 /// Forwards the client's call `req` to the engine and answers it on `respond`: the engine's
@@ -51,16 +51,48 @@ pub(crate) async fn forward(
         }
     };
     strip_hop_by_hop(&mut parts.headers);
-    let sender = match upstream.sender().await {
-        Ok(s) => s,
-        Err(s) => return finish_early(metrics, &method, respond, s),
-    };
-    let mut sender = match sender.ready().await {
-        Ok(s) => s,
-        Err(e) => {
-            let status = upstream_error(upstream.address(), &e);
-            return finish_early(metrics, &method, respond, status);
+    // While the probe finds the engine down, calls fail at once with its reason; a call that
+    // is waiting for the engine when the probe finds it down fails then (a stopped engine
+    // never answers: without this the wait would last until the connection's keepalive).
+    let mut state = upstream.state();
+    if let EngineState::Down(why) = &*state.borrow_and_update() {
+        return finish_early(
+            metrics,
+            &method,
+            respond,
+            Status::unavailable(why.to_string()),
+        );
+    }
+    let down = async move {
+        let why = state
+            .wait_for(|s| matches!(s, EngineState::Down(_)))
+            .await
+            .ok()
+            .and_then(|s| match &*s {
+                EngineState::Down(why) => Some(why.to_string()),
+                _ => None,
+            });
+        match why {
+            Some(why) => Status::unavailable(why),
+            // The sidecar is going away.
+            None => std::future::pending().await,
         }
+    };
+    let mut down = std::pin::pin!(down);
+    let ready = async {
+        let sender = upstream.sender().await?;
+        sender
+            .ready()
+            .await
+            .map_err(|e| upstream_error(upstream.address(), &e))
+    };
+    let mut sender = tokio::select! {
+        biased;
+        r = ready => match r {
+            Ok(s) => s,
+            Err(status) => return finish_early(metrics, &method, respond, status),
+        },
+        status = &mut down => return finish_early(metrics, &method, respond, status),
     };
     let end = body.is_end_stream();
     let (response, up_send) = match sender.send_request(Request::from_parts(parts, ()), end) {
@@ -84,15 +116,18 @@ pub(crate) async fn forward(
             // The client went away before the engine answered.
             return Poll::Ready(Err(r.err()));
         }
-        response.as_mut().poll(cx).map(Ok)
+        if let Poll::Ready(status) = down.as_mut().poll(cx) {
+            return Poll::Ready(Ok(Err(status)));
+        }
+        response
+            .as_mut()
+            .poll(cx)
+            .map(|r| Ok(r.map_err(|e| upstream_error(upstream.address(), &e))))
     })
     .await;
     let resp = match headers {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            let status = upstream_error(upstream.address(), &e);
-            return finish_early(metrics, &method, respond, status);
-        }
+        Ok(Err(status)) => return finish_early(metrics, &method, respond, status),
         Err(_) => {
             CallRecord::count(metrics, &method, "cancelled");
             return;

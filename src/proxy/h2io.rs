@@ -289,6 +289,189 @@ pub(crate) async fn keepalive(pp: Option<h2::PingPong>, interval: Duration, time
     }
 }
 
+/// What kvbridge reads of a peer's first SETTINGS frame (RFC 9113 §6.5.2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PeerSettings {
+    /// `SETTINGS_MAX_HEADER_LIST_SIZE`; `None` when the peer did not send it (no limit).
+    pub(crate) max_header_list_size: Option<u32>,
+}
+
+/// The first SETTINGS frame's parameter ids kvbridge reads.
+const SETTINGS_MAX_HEADER_LIST_SIZE: u16 = 0x6;
+/// Longest first SETTINGS frame accepted (the default `SETTINGS_MAX_FRAME_SIZE`).
+const MAX_PREFACE_SETTINGS: usize = 16_384;
+
+/// The first frame, as far as read.
+#[derive(Default)]
+struct Preface {
+    head: [u8; 9],
+    have: usize,
+    payload: Vec<u8>,
+}
+
+impl Preface {
+    /// Takes the next bytes the peer sent; the settings (or the error) once the first frame is
+    /// complete.
+    fn feed(&mut self, mut bytes: &[u8]) -> Option<Result<PeerSettings, String>> {
+        while !bytes.is_empty() {
+            if self.have < self.head.len() {
+                let n = (self.head.len() - self.have).min(bytes.len());
+                self.head[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+                self.have += n;
+                bytes = &bytes[n..];
+                if self.have < self.head.len() {
+                    return None;
+                }
+                let len = self.len();
+                if self.head[3] != 0x4 {
+                    return Some(Err(format!(
+                        "its first frame is of type {}, not SETTINGS: not an HTTP/2 server",
+                        self.head[3]
+                    )));
+                }
+                if len % 6 != 0 || len > MAX_PREFACE_SETTINGS || self.head[4] & 1 != 0 {
+                    return Some(Err(format!(
+                        "its first SETTINGS frame is malformed ({len} bytes, flags {:#x})",
+                        self.head[4]
+                    )));
+                }
+                self.payload.reserve_exact(len);
+            }
+            let n = (self.len() - self.payload.len()).min(bytes.len());
+            self.payload.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.payload.len() == self.len() {
+                // Complete; what follows is the next frame's, not ours to read.
+                break;
+            }
+        }
+        (self.have == self.head.len() && self.payload.len() == self.len())
+            .then(|| Ok(self.settings()))
+    }
+
+    fn len(&self) -> usize {
+        u32::from_be_bytes([0, self.head[0], self.head[1], self.head[2]]) as usize
+    }
+
+    fn settings(&self) -> PeerSettings {
+        let mut s = PeerSettings::default();
+        for p in self.payload.chunks_exact(6) {
+            let id = u16::from_be_bytes([p[0], p[1]]);
+            let value = u32::from_be_bytes([p[2], p[3], p[4], p[5]]);
+            if id == SETTINGS_MAX_HEADER_LIST_SIZE {
+                s.max_header_list_size = Some(value);
+            }
+        }
+        s
+    }
+}
+
+/// A connection's I/O with a look at every read: `hook` sees the bytes the peer sent (an empty
+/// slice at end of stream) as they pass; writes go straight through.
+pub(crate) struct Tap<T, H> {
+    io: T,
+    hook: H,
+}
+
+/// What a [`Tap`] does with what was read.
+pub(crate) trait OnRead {
+    fn on_read(&mut self, got: &[u8]);
+}
+
+impl<T, H> Tap<T, H> {
+    pub(crate) fn new(io: T, hook: H) -> Self {
+        Tap { io, hook }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin, H: OnRead + Unpin> tokio::io::AsyncRead for Tap<T, H> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        ready!(Pin::new(&mut this.io).poll_read(cx, buf))?;
+        this.hook.on_read(&buf.filled()[before..]);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin, H: Unpin> tokio::io::AsyncWrite for Tap<T, H> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Counts the bytes the peer sent into a shared counter, so that what kvbridge decodes from them
+/// can be bounded against what actually arrived.
+impl OnRead for std::sync::Arc<std::sync::atomic::AtomicU64> {
+    fn on_read(&mut self, got: &[u8]) {
+        self.fetch_add(got.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Watches the bytes the peer sends for its connection preface, the first frame, which must be
+/// a SETTINGS frame (RFC 9113 §3.4), and reports it once (or why it is not one); after that a
+/// read costs one branch. `h2`'s client handshake completes without the server's SETTINGS and
+/// exposes neither their arrival nor the `SETTINGS_MAX_HEADER_LIST_SIZE` in them: this is how
+/// the sidecar knows that the engine speaks HTTP/2 at all, and what header list it accepts.
+pub(crate) struct SettingsWatch(Option<(Preface, SettingsTx)>);
+
+type SettingsTx = tokio::sync::oneshot::Sender<Result<PeerSettings, String>>;
+
+impl SettingsWatch {
+    /// Reports the peer's first frame on `tx`.
+    pub(crate) fn new(tx: SettingsTx) -> Self {
+        SettingsWatch(Some((Preface::default(), tx)))
+    }
+}
+
+impl OnRead for SettingsWatch {
+    fn on_read(&mut self, got: &[u8]) {
+        let Some((preface, _)) = &mut self.0 else {
+            return;
+        };
+        let result = if got.is_empty() {
+            Some(Err(
+                "it closed the connection before its SETTINGS".to_string()
+            ))
+        } else {
+            preface.feed(got)
+        };
+        if let Some(r) = result {
+            if let Some((_, tx)) = self.0.take() {
+                let _ = tx.send(r);
+            }
+        }
+    }
+}
+
 /// The headers of a trailers-only response (`grpc-status`, `grpc-message`, ...) for `status`.
 pub(crate) fn status_headers(status: &tonic::Status) -> http::Response<()> {
     let (parts, _) = status.clone().into_http::<tonic::body::Body>().into_parts();
@@ -325,6 +508,37 @@ pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
 mod tests {
     use super::*;
     use http::{HeaderName, HeaderValue};
+
+    #[test]
+    fn the_first_settings_frame_is_read_across_reads_and_the_rest_ignored() {
+        // SETTINGS: MAX_CONCURRENT_STREAMS 100, MAX_HEADER_LIST_SIZE 16384; then a
+        // WINDOW_UPDATE in the same read.
+        let mut wire = vec![0, 0, 12, 4, 0, 0, 0, 0, 0];
+        wire.extend_from_slice(&[0, 3, 0, 0, 0, 100, 0, 6, 0, 0, 0x40, 0]);
+        wire.extend_from_slice(&[0, 0, 4, 8, 0, 0, 0, 0, 0, 0, 0, 1, 0]);
+        for split in [1, 5, 9, 14, 21, wire.len()] {
+            let mut p = Preface::default();
+            let first = p.feed(&wire[..split]);
+            let r = first.or_else(|| p.feed(&wire[split..]));
+            assert_eq!(
+                r,
+                Some(Ok(PeerSettings {
+                    max_header_list_size: Some(16384)
+                })),
+                "split at {split}"
+            );
+        }
+        let mut p = Preface::default();
+        assert!(matches!(
+            p.feed(b"HTTP/1.1 400 Bad Request\r\n"),
+            Some(Err(_))
+        ));
+        let mut p = Preface::default();
+        assert_eq!(
+            p.feed(&[0, 0, 0, 4, 0, 0, 0, 0, 0]),
+            Some(Ok(PeerSettings::default()))
+        );
+    }
 
     #[test]
     fn hop_by_hop_headers_go_and_grpc_metadata_stays() {

@@ -38,7 +38,7 @@ mod upstream;
 
 use std::collections::HashSet;
 use std::future::{poll_fn, Future};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -63,6 +63,18 @@ const CLIENT_CONNECTION_WINDOW: u32 = 64 << 20;
 const PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a probe waits for the engine's answer.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Decoded header bytes (names and values) a client connection may send kvbridge, and so have
+/// it re-send to the engine, per byte that actually arrived on it, beyond
+/// [`HEADER_BYTES_SLACK`]. HPACK lets a client reference one large dynamic-table entry from
+/// each new stream for a byte or two (an "HPACK bomb": 387 bytes decoding to 1 MB); a gRPC
+/// client's indexed metadata decodes to a few bytes per byte on the wire. A connection over it
+/// is closed with `ENHANCE_YOUR_CALM`.
+const HEADER_BYTES_PER_WIRE_BYTE: u64 = 16;
+/// Decoded header bytes every client connection may use regardless of what it sent.
+const HEADER_BYTES_SLACK: u64 = 64 << 10;
+/// The HPACK dynamic table a client's headers are decoded with (RFC 7541's default, stated so
+/// that it stays the bound on what one connection's table holds).
+const HEADER_TABLE_SIZE: u32 = 4096;
 
 /// Whether kvbridge answers `path` itself in sidecar mode: `SubscribeKvEvents` on the four engine
 /// services, and `grpc.health.v1.Health` (whose SERVING then also covers the engine). Everything
@@ -77,6 +89,8 @@ pub struct Sidecar {
     upstream: upstream::Upstream,
     metrics: Arc<Metrics>,
     answering: Arc<AtomicBool>,
+    /// Set at the start of a shutdown: the listener closes at once (open streams drain).
+    draining: tokio::sync::watch::Sender<bool>,
     load: Option<LoadFeed>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     runtime: ProxyRuntime,
@@ -132,6 +146,7 @@ impl Sidecar {
                 upstream,
                 metrics,
                 answering: Arc::new(AtomicBool::new(false)),
+                draining: tokio::sync::watch::Sender::new(false),
                 load: cfg.load_interval.map(|_| load_rx),
                 tasks,
                 runtime,
@@ -155,6 +170,13 @@ impl Sidecar {
     /// The engine's address, as given.
     pub fn engine(&self) -> &str {
         self.upstream.address()
+    }
+
+    /// Stops accepting connections at once (the start of a shutdown): the listener is closed,
+    /// so a new connection is refused rather than left in the backlog, and open connections
+    /// get a GOAWAY; their open streams drain as long as the shutdown lets them.
+    pub fn stop_accepting(&self) {
+        self.draining.send_replace(true);
     }
 
     /// Runs `task` on the sidecar's runtime.
@@ -204,14 +226,16 @@ impl Sidecar {
             .initial_window_size(1 << 20)
             .initial_connection_window_size(CLIENT_CONNECTION_WINDOW)
             .max_concurrent_streams(max_streams)
-            .max_header_list_size(1 << 20);
+            .header_table_size(HEADER_TABLE_SIZE);
         let (stop, stopping) = tokio::sync::watch::channel(false);
         let mut connections = tokio::task::JoinSet::new();
-        let mut incoming = std::pin::pin!(incoming);
+        let mut incoming = Box::pin(incoming);
         let mut shutdown = std::pin::pin!(shutdown);
+        let mut draining = self.draining.subscribe();
         loop {
             let io = tokio::select! {
                 _ = &mut shutdown => break,
+                _ = draining.wait_for(|d| *d) => break,
                 io = incoming.next() => match io {
                     Some(io) => io,
                     None => break,
@@ -224,6 +248,8 @@ impl Sidecar {
                     .connection(routes.clone(), builder.clone(), io, stopping.clone());
             connections.spawn(conn);
         }
+        // The listener closes here: a connection attempt from now on is refused at once.
+        drop(incoming);
         let _ = stop.send(true);
         while connections.join_next().await.is_some() {}
     }
@@ -239,6 +265,15 @@ impl Sidecar {
     ) where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        // Header lists as large as the engine accepts, decoded bytes bounded by what arrived.
+        let mut builder = builder;
+        builder.max_header_list_size(self.upstream.header_list_limit());
+        let wire = Arc::new(AtomicU64::new(0));
+        let mut headers = HeaderBudget {
+            wire: wire.clone(),
+            decoded: 0,
+        };
+        let io = h2io::Tap::new(io, wire);
         let mut conn = match builder.handshake::<_, Bytes>(io).await {
             Ok(c) => c,
             Err(e) => {
@@ -268,7 +303,21 @@ impl Sidecar {
             })
             .await;
             match next {
-                Some(Ok((req, respond))) => {
+                Some(Ok((req, mut respond))) => {
+                    if let Err(status) = headers.admit(&req) {
+                        tracing::warn!(error = %status.message(), "closing a gRPC connection: ENHANCE_YOUR_CALM");
+                        self.metrics
+                            .proxy
+                            .calls
+                            .with_label_values(&[
+                                &method_label(req.uri().path()),
+                                "resource_exhausted",
+                            ])
+                            .inc();
+                        let _ = respond.send_response(h2io::status_headers(&status), true);
+                        conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+                        continue;
+                    }
                     tokio::spawn(self.clone().handle(routes.clone(), req, respond));
                 }
                 Some(Err(e)) => {
@@ -278,6 +327,43 @@ impl Sidecar {
                 None => return,
             }
         }
+    }
+}
+
+/// A client connection's decoded header bytes against what arrived on it
+/// ([`HEADER_BYTES_PER_WIRE_BYTE`]).
+struct HeaderBudget {
+    /// Bytes read from the connection so far.
+    wire: Arc<AtomicU64>,
+    /// Header bytes (names and values, pseudo-headers included) of its streams so far.
+    decoded: u64,
+}
+
+impl HeaderBudget {
+    /// Counts `req`'s headers; `RESOURCE_EXHAUSTED` when the connection is over its budget.
+    fn admit<B>(&mut self, req: &Request<B>) -> Result<(), tonic::Status> {
+        let uri = req.uri();
+        let pseudo = req.method().as_str().len()
+            + uri.scheme_str().map_or(0, str::len)
+            + uri.authority().map_or(0, |a| a.as_str().len())
+            + uri.path_and_query().map_or(0, |p| p.as_str().len());
+        let fields: usize = req
+            .headers()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum();
+        self.decoded += (pseudo + fields) as u64;
+        let wire = self.wire.load(Ordering::Relaxed);
+        let allowed = wire
+            .saturating_mul(HEADER_BYTES_PER_WIRE_BYTE)
+            .saturating_add(HEADER_BYTES_SLACK);
+        if self.decoded <= allowed {
+            return Ok(());
+        }
+        Err(tonic::Status::resource_exhausted(format!(
+            "kvbridge sidecar: this connection's request headers decode to {} bytes from {wire} bytes received (more than {HEADER_BYTES_PER_WIRE_BYTE} per byte): closing it",
+            self.decoded
+        )))
     }
 }
 
@@ -332,6 +418,12 @@ async fn probe(sidecar: std::sync::Weak<Sidecar>) {
         };
         s.answering.store(up, Ordering::Release);
         s.metrics.proxy.engine_up.set(up as i64);
+        s.upstream.set_state(match &answer {
+            Err(e) if !up => {
+                upstream::EngineState::Down(down_reason(s.upstream.address(), e).into())
+            }
+            _ => upstream::EngineState::Up,
+        });
         if last != Some(up) {
             match &answer {
                 Err(e) if !up => {
@@ -342,6 +434,17 @@ async fn probe(sidecar: std::sync::Weak<Sidecar>) {
             }
             last = Some(up);
         }
+    }
+}
+
+/// What forwarded calls are answered while the probe finds the engine down: the probe's own
+/// failure, naming the engine (a connect failure already does).
+fn down_reason(engine: &str, probe: &tonic::Status) -> String {
+    let why = probe.message();
+    if why.contains(engine) && why.contains("unreachable") {
+        why.to_string()
+    } else {
+        format!("kvbridge sidecar: engine gRPC server {engine} unreachable: the health probe got no answer ({why})")
     }
 }
 

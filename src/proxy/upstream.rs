@@ -20,7 +20,7 @@ use h2::client::SendRequest;
 use tokio_rustls::rustls;
 use tonic::Status;
 
-use super::h2io::RecvBody;
+use super::h2io::{RecvBody, SettingsWatch, Tap};
 use crate::config::EngineGrpc;
 use crate::metrics::Metrics;
 
@@ -37,10 +37,47 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time to open a TCP connection (and TLS) to the engine before the call fails `UNAVAILABLE`.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long the engine has, once TCP (and TLS) is up, to send its HTTP/2 SETTINGS: until then
+/// the connection is not used. An engine that accepts TCP but never speaks HTTP/2 (or is
+/// stopped) is thus `UNAVAILABLE` within a second, not a hang.
+pub(crate) const SETTINGS_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a failed connect is remembered for its pool slot: calls in that time are answered
+/// with its error at once instead of trying again.
+pub(crate) const CONNECT_BACKOFF: Duration = Duration::from_millis(500);
+/// The decoded header list kvbridge accepts from its clients until an engine connection has
+/// reported the engine's own `SETTINGS_MAX_HEADER_LIST_SIZE`: what hyper and gRPC C-core
+/// advertise by default.
+pub(crate) const DEFAULT_HEADER_LIST: u32 = 16 << 10;
+/// The largest decoded header list kvbridge accepts from its clients, whatever the engine
+/// allows (also its limit for the engine's response headers).
+pub(crate) const MAX_HEADER_LIST: u32 = 1 << 20;
+
 /// One connection of the pool: its request handle, and whether it has ended.
 struct Connection {
     sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
+}
+
+/// A pool slot: at most one connect in flight, whose result every waiter gets; a failure is
+/// remembered for [`CONNECT_BACKOFF`].
+enum Slot {
+    Empty,
+    Ready(Connection),
+    Connecting(tokio::sync::watch::Receiver<Option<Result<SendRequest<Bytes>, Arc<str>>>>),
+    Failed {
+        until: tokio::time::Instant,
+        error: Arc<str>,
+    },
+}
+
+/// What the health probe last found ([`super::probe`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum EngineState {
+    /// Not probed yet.
+    Unknown,
+    Up,
+    /// Not answering: the reason, as forwarded calls are answered while it lasts.
+    Down(Arc<str>),
 }
 
 /// The engine end of the sidecar.
@@ -52,12 +89,16 @@ pub(crate) struct Upstream {
         tokio_rustls::TlsConnector,
         rustls::pki_types::ServerName<'static>,
     )>,
-    slots: Vec<tokio::sync::Mutex<Option<Connection>>>,
+    slots: Vec<std::sync::Mutex<Slot>>,
     next: AtomicUsize,
     metrics: Arc<Metrics>,
     /// The `MAX_CONCURRENT_STREAMS` kvbridge advertises to its own clients, to compare with the
     /// engine's.
     client_limit: Arc<AtomicU32>,
+    /// The engine's `SETTINGS_MAX_HEADER_LIST_SIZE` from the last connection that opened
+    /// (0: none opened yet; `u32::MAX`: the engine sets no limit).
+    header_list: AtomicU32,
+    state: tokio::sync::watch::Sender<EngineState>,
 }
 
 impl Upstream {
@@ -76,11 +117,13 @@ impl Upstream {
             engine: engine.clone(),
             tls,
             slots: (0..POOL_SIZE)
-                .map(|_| tokio::sync::Mutex::new(None))
+                .map(|_| std::sync::Mutex::new(Slot::Empty))
                 .collect(),
             next: AtomicUsize::new(0),
             metrics,
             client_limit: Arc::new(AtomicU32::new(u32::MAX)),
+            header_list: AtomicU32::new(0),
+            state: tokio::sync::watch::Sender::new(EngineState::Unknown),
         })
     }
 
@@ -95,22 +138,112 @@ impl Upstream {
         &self.base
     }
 
-    /// A sender on a live connection: the next slot's, or a new connection in that slot.
-    /// `UNAVAILABLE` naming the engine when it cannot be reached.
-    pub(crate) async fn sender(&self) -> Result<SendRequest<Bytes>, Status> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let mut slot = self.slots[i].lock().await;
-        if let Some(c) = slot.as_ref() {
-            if !c.closed.load(Ordering::Acquire) {
-                return Ok(c.sender.clone());
+    /// The largest decoded header list a client connection opened now may send: the engine's
+    /// own limit (once a connection has read it; [`DEFAULT_HEADER_LIST`] before), at most
+    /// [`MAX_HEADER_LIST`].
+    pub(crate) fn header_list_limit(&self) -> u32 {
+        match self.header_list.load(Ordering::Relaxed) {
+            0 => DEFAULT_HEADER_LIST,
+            n => n.min(MAX_HEADER_LIST),
+        }
+    }
+
+    /// Records what the probe found (only changes wake anyone). An engine that answers ends
+    /// every remembered connect failure: the next call on such a slot connects again.
+    pub(crate) fn set_state(&self, state: EngineState) {
+        if state == EngineState::Up {
+            for slot in &self.slots {
+                let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+                if matches!(*slot, Slot::Failed { .. }) {
+                    *slot = Slot::Empty;
+                }
             }
         }
-        *slot = None;
-        match self.connect().await {
+        self.state.send_if_modified(|s| {
+            let changed = *s != state;
+            *s = state;
+            changed
+        });
+    }
+
+    /// What the probe found, and its changes from now on.
+    pub(crate) fn state(&self) -> tokio::sync::watch::Receiver<EngineState> {
+        self.state.subscribe()
+    }
+
+    fn unreachable(&self, e: &str) -> Status {
+        Status::unavailable(format!(
+            "kvbridge sidecar: engine gRPC server {} unreachable: {e}",
+            self.base
+        ))
+    }
+
+    /// A sender on a live connection: the next slot's, or a new connection in that slot (one
+    /// connect per slot at a time, shared by every call that needs it). `UNAVAILABLE` naming
+    /// the engine when it cannot be reached, at once while a failed connect is remembered.
+    pub(crate) async fn sender(&self) -> Result<SendRequest<Bytes>, Status> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        loop {
+            let wait = {
+                let mut slot = self.slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                match &*slot {
+                    Slot::Ready(c) if !c.closed.load(Ordering::Acquire) => {
+                        return Ok(c.sender.clone())
+                    }
+                    Slot::Failed { until, error } if tokio::time::Instant::now() < *until => {
+                        return Err(self.unreachable(error))
+                    }
+                    Slot::Connecting(rx) => Ok(rx.clone()),
+                    _ => {
+                        let (tx, rx) = tokio::sync::watch::channel(None);
+                        *slot = Slot::Connecting(rx);
+                        Err(tx)
+                    }
+                }
+            };
+            let mut result = match wait {
+                Ok(rx) => rx,
+                Err(tx) => return self.connect_slot(i, tx).await,
+            };
+            // Another call is connecting this slot: its result is ours. If that call went away
+            // mid-connect (its sender dropped, the slot emptied), try again.
+            let outcome = match result.wait_for(Option::is_some).await {
+                Ok(r) => r.clone(),
+                Err(_) => None,
+            };
+            match outcome {
+                Some(Ok(s)) => return Ok(s),
+                Some(Err(e)) => return Err(self.unreachable(&e)),
+                None => {}
+            }
+        }
+    }
+
+    /// Connects slot `i` and publishes the outcome on `tx` (and in the slot).
+    async fn connect_slot(
+        &self,
+        i: usize,
+        tx: tokio::sync::watch::Sender<Option<Result<SendRequest<Bytes>, Arc<str>>>>,
+    ) -> Result<SendRequest<Bytes>, Status> {
+        // Empties the slot if this call is dropped mid-connect, so waiters try again.
+        struct Abandoned<'a>(Option<&'a std::sync::Mutex<Slot>>);
+        impl Drop for Abandoned<'_> {
+            fn drop(&mut self) {
+                if let Some(m) = self.0 {
+                    *m.lock().unwrap_or_else(|e| e.into_inner()) = Slot::Empty;
+                }
+            }
+        }
+        let mut guard = Abandoned(Some(&self.slots[i]));
+        let outcome = self.connect().await;
+        guard.0 = None;
+        let mut slot = self.slots[i].lock().unwrap_or_else(|e| e.into_inner());
+        match outcome {
             Ok(c) => {
                 self.metrics.proxy.connects.with_label_values(&["ok"]).inc();
                 let sender = c.sender.clone();
-                *slot = Some(c);
+                *slot = Slot::Ready(c);
+                tx.send_replace(Some(Ok(sender.clone())));
                 Ok(sender)
             }
             Err(e) => {
@@ -119,10 +252,13 @@ impl Upstream {
                     .connects
                     .with_label_values(&["failed"])
                     .inc();
-                Err(Status::unavailable(format!(
-                    "kvbridge sidecar: engine gRPC server {} unreachable: {e}",
-                    self.base
-                )))
+                let error: Arc<str> = e.into();
+                *slot = Slot::Failed {
+                    until: tokio::time::Instant::now() + CONNECT_BACKOFF,
+                    error: error.clone(),
+                };
+                tx.send_replace(Some(Err(error.clone())));
+                Err(self.unreachable(&error))
             }
         }
     }
@@ -157,22 +293,26 @@ impl Upstream {
         // a connection-wide budget of half the connection window) from closing the connection
         // with ENHANCE_YOUR_CALM when a `Generate` stream of small messages is buffered while the
         // client reads slowly; the engine is the one peer kvbridge trusts not to flood it.
+        let (settings_tx, settings) = tokio::sync::oneshot::channel();
+        let io = Tap::new(io, SettingsWatch::new(settings_tx));
         let (sender, mut conn) = tokio::time::timeout(
             CONNECT_TIMEOUT,
             h2::client::Builder::new()
                 .initial_window_size(STREAM_WINDOW)
                 .initial_connection_window_size(CONNECTION_WINDOW)
-                .max_header_list_size(1 << 20)
+                .max_header_list_size(MAX_HEADER_LIST)
                 .enable_push(false)
                 .handshake::<_, Bytes>(io),
         )
         .await
         .map_err(|_| format!("no HTTP/2 handshake within {CONNECT_TIMEOUT:?}"))?
         .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
-        let gauge = self.metrics.proxy.connections.clone();
-        gauge.inc();
-        let closed = Arc::new(AtomicBool::new(false));
-        let ended = closed.clone();
+        let live = Live {
+            gauge: self.metrics.proxy.connections.clone(),
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        live.gauge.inc();
+        let closed = live.closed.clone();
         let base = self.base.clone();
         let pings = conn.ping_pong();
         let limits = StreamLimits {
@@ -181,7 +321,8 @@ impl Upstream {
             engine: self.base.clone(),
             seen: None,
         };
-        tokio::spawn(async move {
+        let driver = tokio::spawn(async move {
+            let _live = live;
             let mut limits = limits;
             // The engine's settings arrive while the connection is driven: read its stream
             // limit after each poll (a field read) and report it when it changes.
@@ -198,10 +339,36 @@ impl Upstream {
                     tracing::debug!(engine = %base, "engine connection closed: keepalive ping not answered");
                 }
             }
-            ended.store(true, Ordering::Release);
-            gauge.dec();
         });
+        // Usable only once the engine has spoken HTTP/2.
+        let peer = match tokio::time::timeout(SETTINGS_TIMEOUT, settings).await {
+            Ok(Ok(Ok(peer))) => Ok(peer),
+            Ok(Ok(Err(e))) => Err(format!("the engine is not an HTTP/2 server: {e}")),
+            Ok(Err(_)) => Err("the connection ended before the engine's HTTP/2 SETTINGS".to_string()),
+            Err(_) => Err(format!(
+                "TCP connected, but no HTTP/2 SETTINGS from the engine within {SETTINGS_TIMEOUT:?} (not an HTTP/2 server, or stopped)"
+            )),
+        }
+        .inspect_err(|_| driver.abort())?;
+        self.header_list.store(
+            peer.max_header_list_size.unwrap_or(u32::MAX).max(1),
+            Ordering::Relaxed,
+        );
         Ok(Connection { sender, closed })
+    }
+}
+
+/// An engine connection's driver task while it lives: the gauge of open connections, and the
+/// flag its pool slot reads, set when the task ends (or is aborted).
+struct Live {
+    gauge: prometheus::IntGauge,
+    closed: Arc<AtomicBool>,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Release);
+        self.gauge.dec();
     }
 }
 

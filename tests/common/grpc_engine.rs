@@ -52,6 +52,8 @@ pub struct Stats {
     pub tls_failed: AtomicU64,
     /// `SETTINGS_MAX_CONCURRENT_STREAMS` for connections accepted from now on (0: `u32::MAX`).
     pub max_streams: AtomicU32,
+    /// Request header bytes received (names and values, all calls).
+    pub header_bytes: AtomicU64,
 }
 
 /// A running test engine.
@@ -262,6 +264,13 @@ fn tls_acceptor(cert_pem: &str, key_pem: &str) -> tokio_rustls::TlsAcceptor {
 
 async fn handle(st: Arc<Stats>, req: Request<Incoming>) -> Response<RespBody> {
     st.calls.fetch_add(1, Ordering::Relaxed);
+    let header_bytes: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum();
+    st.header_bytes
+        .fetch_add(header_bytes as u64, Ordering::Relaxed);
     let path = req.uri().path().to_string();
     let Some((service, method)) = path[1..].split_once('/') else {
         return trailers_only(12, "test engine: bad path");
