@@ -614,6 +614,10 @@ concern! {
         /// Largest snapshot chunk (4KiB to 4MiB − 64KiB) [default: 1MiB].
         #[arg(long, value_name = "BYTES")]
         pub snapshot_chunk_size: Option<ByteSize>,
+        /// Least time between two checkpoints of the table beside the ring when the ring is not
+        /// about to lap the last one (1s to 7d, e.g. 90s, 5m) [default: 1m].
+        #[arg(long, value_name = "DURATION")]
+        pub checkpoint_interval: Option<String>,
     }
 }
 
@@ -637,10 +641,23 @@ impl SnapshotArgs {
                 crate::snapshot::CHUNK_MIN
             )));
         }
+        let checkpoint_interval = match &self.checkpoint_interval {
+            None => crate::snapshot::DEFAULT_CHECKPOINT_INTERVAL,
+            Some(t) => {
+                parse_duration(t).map_err(|e| invalid(format!("--checkpoint-interval: {e}")))?
+            }
+        };
+        if checkpoint_interval > Duration::from_secs(7 * 86_400) {
+            return Err(invalid(format!(
+                "--checkpoint-interval {}: at most 7d",
+                self.checkpoint_interval.as_deref().unwrap_or_default()
+            )));
+        }
         Ok(crate::snapshot::SnapshotConfig {
             mode: self.snapshot.unwrap_or_default(),
             max_blocks,
             chunk_bytes: chunk as usize,
+            checkpoint_interval,
         })
     }
 }
@@ -1580,6 +1597,31 @@ mod tests {
     }
 
     #[test]
+    fn the_checkpoint_interval_is_a_duration_from_1s_to_7d() {
+        let interval = |extra: &[&str]| {
+            let mut a = vec!["--zmq", "tcp://*:5557"];
+            a.extend(extra);
+            flags(&a).resolve().map(|c| c.snapshot.checkpoint_interval)
+        };
+        assert_eq!(interval(&[]).unwrap(), Duration::from_secs(60));
+        assert_eq!(
+            interval(&["--checkpoint-interval", "90s"]).unwrap(),
+            Duration::from_secs(90)
+        );
+        assert_eq!(
+            interval(&["--checkpoint-interval", "7d"]).unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
+        for bad in ["0", "1w", "8d", "soon"] {
+            let err = interval(&["--checkpoint-interval", bad]).unwrap_err();
+            assert!(
+                err.to_string().starts_with("--checkpoint-interval"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
     fn bad_sizes_name_the_flag_or_the_key() {
         let dir = tempfile::tempdir().unwrap();
         let err = flags(&["--zmq", "tcp://*:5557", "--ring-size", "lots"])
@@ -1871,6 +1913,11 @@ mod tests {
                 "--snapshot-chunk-size 64KiB",
                 r#"snapshot-chunk-size = "64KiB""#,
                 "snapshot-chunk-size = 8192",
+            ),
+            row(
+                "--checkpoint-interval 5m",
+                r#"checkpoint-interval = "5m""#,
+                r#"checkpoint-interval = "90s""#,
             ),
             row(
                 "--max-subscribers 7",

@@ -904,6 +904,14 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
             vec![s("--max-engine-message"), s("1KiB")],
             "--max-engine-message",
         ),
+        (
+            vec![s("--checkpoint-interval"), s("0s")],
+            "--checkpoint-interval",
+        ),
+        (
+            vec![s("--checkpoint-interval"), s("8d")],
+            "--checkpoint-interval",
+        ),
     ];
     // Its own ring path, port and no metrics port: nothing of a failed start lands in /dev/shm
     // (and nothing else on the machine can make it fail for another reason).

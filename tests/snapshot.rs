@@ -32,6 +32,9 @@ struct Gateway {
     /// (device, host) copies of blocks with a host copy or more than one copy.
     copies: HashMap<SequenceHash, (u8, u8)>,
     last_seq: u64,
+    /// Every block hash stored and not removed or cleared (the tests' workloads store each
+    /// hash once): what the bridge holds, without the indexer's interpretation.
+    hashes: BTreeSet<u64>,
 }
 
 const CAP: u8 = 8;
@@ -45,6 +48,7 @@ impl Gateway {
             map: WorkerBlockMap::default(),
             copies: HashMap::new(),
             last_seq: 0,
+            hashes: BTreeSet::new(),
         }
     }
 
@@ -123,11 +127,21 @@ impl Gateway {
     fn apply(&mut self, b: &KvEventBatch) {
         for e in &b.events {
             match &e.data {
-                Some(Data::Stored(s)) => self.stored(s),
-                Some(Data::Removed(r)) => self.removed(r),
+                Some(Data::Stored(s)) => {
+                    self.hashes
+                        .extend(s.blocks.iter().map(|b| b.block_hash as u64));
+                    self.stored(s)
+                }
+                Some(Data::Removed(r)) => {
+                    for h in &r.block_hashes {
+                        self.hashes.remove(&(*h as u64));
+                    }
+                    self.removed(r)
+                }
                 Some(Data::Cleared(_)) => {
                     self.idx.apply_cleared(0, &mut self.map);
                     self.copies.clear();
+                    self.hashes.clear();
                 }
                 None => {}
             }
@@ -169,6 +183,11 @@ impl Churn {
             live: 0,
             host: HashSet::new(),
         }
+    }
+
+    /// The block hashes the engine holds: what a complete table holds.
+    fn held(&self) -> BTreeSet<u64> {
+        self.chains.iter().flatten().copied().collect()
     }
 
     fn tokens(&mut self, n: usize) -> Vec<u32> {
@@ -579,24 +598,17 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    // The periodic checkpoint must be one the ring can still catch up from (cut + 1 retained):
-    // under load a checkpoint written early can be lapped by the churn, and a restart from it is
-    // then (correctly) marked incomplete. Wait for a recent one (churn has stopped, so the next
-    // periodic write catches up), then publish a little more so that the restart really is
-    // checkpoint + ring catch-up.
-    let deadline = std::time::Instant::now() + T;
-    loop {
-        let oldest = kvbridge_shm::RingReader::open(&ring).unwrap().oldest();
-        match kvbridge::snapshot::from_checkpoint(&ring) {
-            Ok(c) if c.cut + 1 >= oldest && c.cut >= n => break,
-            _ => {}
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint at the cut {n} was written"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // The checkpoint is one the ring can still catch up from (cut + 1 retained): the churn lapped
+    // the 1 MiB ring several times, and the checkpoint was rewritten before each lap of its cut
+    // (issue 26). Publish a little more so that the restart really is checkpoint + ring
+    // catch-up.
+    let oldest = kvbridge_shm::RingReader::open(&ring).unwrap().oldest();
+    let c = kvbridge::snapshot::from_checkpoint(&ring).unwrap();
+    assert!(
+        c.cut + 1 >= oldest,
+        "checkpoint cut {} lapped by the ring (oldest {oldest})",
+        c.cut
+    );
     let n = churn(&[&e0], &mut work, 50, &ring, &x).await;
     wait_seq(&x, n).await;
     // SIGKILL: no shutdown path; the checkpoint is whatever the last periodic write left.
@@ -668,4 +680,202 @@ async fn snapshot_off_serves_the_window_only() {
     );
     assert!(!kvbridge::snapshot::checkpoint_path(&ring).exists());
     assert!(bridge.stop().success());
+}
+
+/// Issue 26: a small ring and a fast writer lap the ring (and any checkpoint's cut) several
+/// times a second. The checkpoint is rewritten before the ring laps its cut — with no interval
+/// to help — so a SIGKILL at any moment restarts from checkpoint + ring catch-up, complete:
+/// never "rebuilt from the ring alone".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let e0 = Engine::start(0);
+    let mut args = rank_args(&[&e0]);
+    args.extend(["--checkpoint-interval", "7d"].map(String::from));
+    let (mut bridge, _) = Bridge::start_with_metrics(dir.path(), &ring, &args);
+    let mut work = Churn::new(26);
+    let mut rng = Rng::new(2026);
+    for round in 0..3 {
+        let reader = kvbridge_shm::RingReader::open(&ring).unwrap();
+        let from = reader.newest();
+        // the moment: once the ring lapped this round's start, somewhere in its first 5,000
+        // records
+        let kill_at = from + rng.range(500, 5000);
+        let (page, oldest, newest) = std::thread::scope(|s| {
+            let publisher = s.spawn(|| {
+                // about 3,000 batches a second: the 1 MiB ring laps several times a second
+                for i in 0..6000 {
+                    let ev = work.step(1500);
+                    e0.publish(Layout::Vllm0102, ev, 0);
+                    if i % 3 == 2 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            });
+            let deadline = std::time::Instant::now() + T;
+            while reader.newest() < kill_at || reader.oldest() <= from + 1 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "round {round}: the ring stayed at [{}, {}] (waiting for {kill_at} and a lap of {from})",
+                    reader.oldest(),
+                    reader.newest()
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let page = scrape(bridge.metrics.unwrap());
+            bridge.child.kill().unwrap();
+            bridge.child.wait().unwrap();
+            let seen = (page, reader.oldest(), reader.newest());
+            publisher.join().unwrap();
+            seen
+        });
+        let laps = metric(
+            &page,
+            "kvbridge_snapshot_checkpoints_total",
+            &[("reason", "lap")],
+        );
+        assert!(
+            oldest > from + 1 && laps >= 1.0,
+            "round {round}: the ring lapped this round's start ({from} → oldest {oldest}, newest {newest}) and checkpoints were written for it ({laps})"
+        );
+        assert_eq!(
+            metric(&page, "kvbridge_snapshot_checkpoint_lapped_total", &[]),
+            0.0,
+            "round {round}: the ring never lapped the checkpoint; {}\n{}",
+            page.lines()
+                .filter(|l| l.starts_with("kvbridge_snapshot_checkpoint")
+                    || l.starts_with("kvbridge_snapshot_ring"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            bridge
+                .log()
+                .lines()
+                .filter(|l| l.contains("snapshot"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        let (grpc, args, m) = (bridge.grpc, bridge.args.clone(), bridge.metrics);
+        drop(bridge);
+        bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
+        bridge.metrics = m;
+        // (gRPC is bound before the rings are opened: wait for the table's line)
+        let deadline = std::time::Instant::now() + T;
+        while !bridge.log().contains("snapshot table") {
+            assert!(std::time::Instant::now() < deadline, "{}", bridge.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let log = bridge.log();
+        assert!(
+            log.contains("restored=Checkpoint") && !log.contains("rebuilt from the ring alone"),
+            "round {round}: restart from checkpoint + ring:\n{log}"
+        );
+        // the engine's replay fills in what the bridge missed while it was down; then the late
+        // subscriber's table is the engine's whole cache, complete
+        let n = churn_quiet(&e0, &mut work, &ring).await;
+        let (y, chunks, unknown) = late(&bridge.url(), n, true).await;
+        assert!(chunks >= 2, "round {round}: {chunks} chunks");
+        assert_eq!(unknown, 0, "round {round}: complete after SIGKILL");
+        let want = work.held();
+        assert!(want.len() > 500, "a real state ({} blocks)", want.len());
+        same(
+            &y.hashes,
+            &want,
+            &format!("round {round}: restarted table vs the engine's cache"),
+        );
+    }
+    assert!(bridge.stop().success());
+}
+
+/// Publishes one marker store and waits until the ring holds it (every earlier batch, replayed
+/// or not, is ingested then); returns the ring's newest number.
+async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path) -> u64 {
+    let (ev, h) = work.store(None, 1);
+    work.chains.push(h.clone());
+    e.publish(Layout::Vllm0102, vec![ev], 0);
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let mut r = kvbridge_shm::RingReader::open(ring).unwrap();
+        let n = r.newest();
+        let _ = r.seek(n.saturating_sub(50).max(r.oldest()));
+        let mut buf = Vec::new();
+        let mut found = false;
+        while let kvbridge_shm::ReadOutcome::Record(v) = r.next() {
+            if v.copy_to(&mut buf) {
+                let b: KvEventBatch = prost::Message::decode(buf.as_slice()).unwrap();
+                found |= stored_hashes(&[b]).contains(&h[0]);
+            }
+        }
+        if found {
+            return n;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "marker {} never arrived",
+            h[0]
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 26: a table that does not change writes no checkpoint, and one change a second writes
+/// none either before `--checkpoint-interval` (default 1 minute) passes — where the bridge used
+/// to rewrite the whole image every second. Counted through the metrics; SIGTERM writes the
+/// last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchanged_table_writes_no_checkpoint_and_one_change_a_second_far_fewer_than_one_a_second(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let e0 = Engine::start(0);
+    let (bridge, addr) = Bridge::start_with_metrics(dir.path(), &ring, &rank_args(&[&e0]));
+    let writes = |page: &str| {
+        (
+            metric(page, "kvbridge_snapshot_checkpoints_total", &[]),
+            metric(page, "kvbridge_snapshot_checkpoint_bytes_total", &[]),
+        )
+    };
+    // the start-up checkpoint (a new ring: the empty table), then a state of 1,000 blocks
+    wait_metrics(addr, T, |p| {
+        metric(
+            p,
+            "kvbridge_snapshot_checkpoints_total",
+            &[("reason", "start")],
+        ) == 1.0
+    });
+    let mut work = Churn::new(3);
+    for _ in 0..100 {
+        let ev = work.step(1000);
+        e0.publish(Layout::Vllm0102, ev, 0);
+    }
+    churn_quiet(&e0, &mut work, &ring).await;
+    let page = scrape(addr);
+    let before = writes(&page);
+    assert_eq!(before.0, 1.0, "only the start-up checkpoint so far");
+    // no change for 3 s: nothing written
+    std::thread::sleep(Duration::from_secs(3));
+    let idle = writes(&scrape(addr));
+    assert_eq!(idle, before, "no change, no checkpoint");
+    // one change a second for 6 s: a bridge rewriting every second would write 6 images
+    for _ in 0..6 {
+        let (ev, h) = work.store(None, 1);
+        work.chains.push(h);
+        e0.publish(Layout::Vllm0102, vec![ev], 0);
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let page = scrape(addr);
+    let busy = writes(&page);
+    assert_eq!(
+        busy, before,
+        "one change a second: no checkpoint before the interval"
+    );
+    assert!(
+        metric(&page, "kvbridge_snapshot_checkpoint_margin_bytes", &[]) > 0.0
+            && metric(&page, "kvbridge_snapshot_checkpoint_age_seconds", &[]) >= 8.0,
+        "margin and age of the start-up checkpoint:\n{page}"
+    );
+    // SIGTERM: one last checkpoint at the newest cut
+    let n = newest(&ring);
+    assert!(bridge.stop().success());
+    assert_eq!(kvbridge::snapshot::from_checkpoint(&ring).unwrap().cut, n);
 }

@@ -150,6 +150,7 @@ impl ServiceHandle {
         self.heartbeat_stop.store(true, Ordering::SeqCst);
         let _ = self.heartbeat.join();
         if let Some(c) = self.checkpointer {
+            c.thread().unpark();
             let _ = c.join(); // writes the last checkpoint
         }
         drop(self.fanout);

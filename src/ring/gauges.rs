@@ -42,12 +42,12 @@ impl RingMetrics {
     }
 
     fn sample(&self, hub: &RingHub) {
-        let (o, n, used, cap) = hub.fill();
-        self.oldest.set(o as i64);
-        self.newest.set(n as i64);
-        self.used.set(used as i64);
-        if cap > 0 {
-            self.fill.set(used as f64 / cap as f64);
+        let p = hub.position();
+        self.oldest.set(p.oldest as i64);
+        self.newest.set(p.newest as i64);
+        self.used.set(p.used() as i64);
+        if p.capacity > 0 {
+            self.fill.set(p.used() as f64 / p.capacity as f64);
         }
     }
 }

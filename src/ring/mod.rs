@@ -114,6 +114,33 @@ pub struct Published {
     pub last_seq: u64,
 }
 
+/// The writer's position in its ring: the retained window in records and in bytes.
+///
+/// `head` and `tail` are logical byte positions that only grow (the bytes the ring has written
+/// since it was created, wrap padding included): the retained records are the bytes
+/// `head .. tail`, and a record starting at byte `p` stays retained until `tail` passes
+/// `p + capacity`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingPosition {
+    /// Oldest retained sequence number (O).
+    pub oldest: u64,
+    /// Newest committed sequence number (N).
+    pub newest: u64,
+    /// Logical byte position of the oldest retained record.
+    pub head: u64,
+    /// Logical byte position one past the newest record.
+    pub tail: u64,
+    /// Data capacity in bytes.
+    pub capacity: u64,
+}
+
+impl RingPosition {
+    /// Bytes retained (`tail − head`).
+    pub fn used(&self) -> u64 {
+        self.tail.saturating_sub(self.head)
+    }
+}
+
 /// What a freshly opened hub found in its ring.
 #[derive(Debug, Default, Clone)]
 pub struct Recovered {
@@ -286,16 +313,17 @@ impl RingHub {
         self.failure.get().map(String::as_str)
     }
 
-    /// Oldest, newest, bytes retained and capacity, in one consistent view.
-    fn fill(&self) -> (u64, u64, u64, u64) {
+    /// Where the writer is, in one consistent view (taken under the writer lock).
+    pub fn position(&self) -> RingPosition {
         let st = self.writer.lock();
         let c = st.writer.cursor();
-        (
-            st.writer.oldest(),
-            st.writer.newest(),
-            c.tail.saturating_sub(c.head),
-            st.writer.capacity() as u64,
-        )
+        RingPosition {
+            oldest: st.writer.oldest(),
+            newest: st.writer.newest(),
+            head: c.head,
+            tail: c.tail,
+            capacity: st.writer.capacity() as u64,
+        }
     }
 
     /// A new reader on this ring (shares the read-only mapping).

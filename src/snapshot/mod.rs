@@ -6,6 +6,7 @@
 //! * `image.rs` — its flat image, copied under the lock and read outside it.
 //! * `serve.rs` — chunks from an image (parents first, `event_id` 0, numbered up to the cut).
 //! * `persist.rs` — the checkpoint file beside the ring and the restore at start-up.
+//! * `schedule.rs` — when the checkpoint is rewritten (before the ring laps its cut).
 //! * `LAYOUT.md` — the checkpoint's byte layout.
 //!
 //! **The cut.** The ring calls [`RingTable`] (a [`PublishHook`]) under its writer lock after a
@@ -19,33 +20,40 @@
 //! each new block's bytes) instead of being applied, and applied right after the copy. Ingest
 //! waits only for that replay. Lock order everywhere: pending, then table.
 //!
-//! **Restart.** A checkpoint thread writes the image to `<ring>.snapshot` about once a second when the
-//! table changed, and once more at shutdown. At start-up the table is the checkpoint plus the
-//! ring records after its cut (SIGKILL loses nothing the ring still holds); a missing, damaged
-//! or too old checkpoint gives a table rebuilt from the ring alone, marked incomplete
-//! (`unknown_before = 1`) until the next clear.
+//! **Restart.** A checkpoint thread writes the image to `<ring>.snapshot` before the ring laps
+//! the last checkpoint's cut, otherwise at most every `--checkpoint-interval` when the table
+//! changed, and once more at shutdown (`schedule.rs`; docs/checkpoints.md). At start-up the
+//! table is the checkpoint plus the ring records after its cut (SIGKILL loses nothing the ring
+//! still holds); a missing, damaged or too old checkpoint gives a table rebuilt from the ring
+//! alone, marked incomplete (`unknown_before = 1`) until the next clear.
 
 mod image;
 mod pending;
 mod persist;
+mod schedule;
 mod serve;
 mod table;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
+use prometheus::{
+    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts,
+};
 
 use crate::metrics::Metrics;
 use crate::ring::{PublishHook, RecordSource, RingHub};
 use kvbridge_shm::RecordMeta;
+use schedule::{OnDisk, Schedule};
 
 pub use persist::{checkpoint_path, read_checkpoint, CheckpointError, Restored};
+pub use schedule::DEFAULT_CHECKPOINT_INTERVAL;
 pub use serve::{Chunks, CHUNK_MAX, CHUNK_MIN};
 pub use table::{Table, COPIES_CAP};
 
@@ -76,6 +84,9 @@ pub struct SnapshotConfig {
     pub max_blocks: usize,
     /// Largest snapshot chunk in bytes (below gRPC's 4 MiB default).
     pub chunk_bytes: usize,
+    /// Least time between two checkpoints not forced by the ring lapping the last one's cut
+    /// (`--checkpoint-interval`).
+    pub checkpoint_interval: Duration,
 }
 
 impl Default for SnapshotConfig {
@@ -84,6 +95,7 @@ impl Default for SnapshotConfig {
             mode: SnapshotMode::Auto,
             max_blocks: DEFAULT_MAX_BLOCKS,
             chunk_bytes: CHUNK_MAX,
+            checkpoint_interval: DEFAULT_CHECKPOINT_INTERVAL,
         }
     }
 }
@@ -96,6 +108,14 @@ pub struct SnapshotMetrics {
     served: IntCounterVec,
     chunks: IntCounterVec,
     seconds: HistogramVec,
+    checkpoints: IntCounterVec,
+    checkpoint_bytes: IntCounterVec,
+    checkpoint_errors: IntCounterVec,
+    checkpoint_lapped: IntCounterVec,
+    checkpoint_seconds: HistogramVec,
+    checkpoint_age: GaugeVec,
+    checkpoint_margin: IntGaugeVec,
+    write_rate: GaugeVec,
 }
 
 impl SnapshotMetrics {
@@ -112,16 +132,21 @@ impl SnapshotMetrics {
             let _ = reg.register(Box::new(c.clone()));
             c
         };
-        let seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "snapshot_serve_seconds",
-                "time to build a snapshot (image copy under the lock + chunk encoding)",
+        let fgauge = |name: &str, help: &str| {
+            let g = GaugeVec::new(Opts::new(name, help), &["ring"]).expect("valid metric");
+            let _ = reg.register(Box::new(g.clone()));
+            g
+        };
+        let histogram = |name: &str, help: &str| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help)
+                    .buckets(vec![0.0005, 0.002, 0.01, 0.05, 0.2, 1.0, 5.0]),
+                &["ring"],
             )
-            .buckets(vec![0.0005, 0.002, 0.01, 0.05, 0.2, 1.0, 5.0]),
-            &["ring"],
-        )
-        .expect("valid metric");
-        let _ = reg.register(Box::new(seconds.clone()));
+            .expect("valid metric");
+            let _ = reg.register(Box::new(h.clone()));
+            h
+        };
         Arc::new(SnapshotMetrics {
             blocks: gauge(
                 "snapshot_table_blocks",
@@ -148,10 +173,92 @@ impl SnapshotMetrics {
                 "snapshot chunks served, per ring",
                 &["ring"],
             ),
-            seconds,
+            seconds: histogram(
+                "snapshot_serve_seconds",
+                "time to build a snapshot (image copy under the lock + chunk encoding)",
+            ),
+            checkpoints: counter(
+                "snapshot_checkpoints_total",
+                "checkpoints written, per ring and reason (start, lap, interval, shutdown)",
+                &["ring", "reason"],
+            ),
+            checkpoint_bytes: counter(
+                "snapshot_checkpoint_bytes_total",
+                "bytes of checkpoint files written, per ring",
+                &["ring"],
+            ),
+            checkpoint_errors: counter(
+                "snapshot_checkpoint_errors_total",
+                "checkpoints that could not be written, per ring",
+                &["ring"],
+            ),
+            checkpoint_lapped: counter(
+                "snapshot_checkpoint_lapped_total",
+                "times the ring lapped the checkpoint's cut (a restart then rebuilds the table incomplete)",
+                &["ring"],
+            ),
+            checkpoint_seconds: histogram(
+                "snapshot_checkpoint_seconds",
+                "time to write a checkpoint (image copy + file write + rename)",
+            ),
+            checkpoint_age: fgauge(
+                "snapshot_checkpoint_age_seconds",
+                "age of the checkpoint on disk (since its image was taken)",
+            ),
+            checkpoint_margin: gauge(
+                "snapshot_checkpoint_margin_bytes",
+                "bytes the ring can still write before it laps the checkpoint's cut (negative: lapped)",
+                &["ring"],
+            ),
+            write_rate: fgauge(
+                "snapshot_ring_write_rate_bytes",
+                "ring write rate the checkpoint margin is sized from (bytes/s, a decaying peak)",
+            ),
         })
     }
 }
+
+/// One ring's checkpoint metrics, resolved once.
+struct CheckpointGauges {
+    bytes: IntCounter,
+    errors: IntCounter,
+    lapped: IntCounter,
+    seconds: Histogram,
+    age: Gauge,
+    margin: IntGauge,
+    rate: Gauge,
+}
+
+impl CheckpointGauges {
+    fn new(m: &SnapshotMetrics, label: &str) -> Self {
+        let l = [label];
+        CheckpointGauges {
+            bytes: m.checkpoint_bytes.with_label_values(&l),
+            errors: m.checkpoint_errors.with_label_values(&l),
+            lapped: m.checkpoint_lapped.with_label_values(&l),
+            seconds: m.checkpoint_seconds.with_label_values(&l),
+            age: m.checkpoint_age.with_label_values(&l),
+            margin: m.checkpoint_margin.with_label_values(&l),
+            rate: m.write_rate.with_label_values(&l),
+        }
+    }
+}
+
+/// The checkpoint thread's state of one table.
+struct Checkpointing {
+    schedule: Schedule,
+    /// The last write failed (logged once per failure streak; retried after [`RETRY`]).
+    failing: Option<Instant>,
+    /// The ring lapped the checkpoint on disk (logged once until a checkpoint is written).
+    lapped: bool,
+}
+
+/// Least wait before a failed checkpoint write is tried again.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// Longest the checkpoint thread sleeps: it refreshes the gauges this often; the ring's lap
+/// wakes it sooner (a publication crossing [`Schedule::wake_at`]).
+const TICK: Duration = Duration::from_millis(250);
 
 /// The table of one ring, its checkpoint file and the ring's `dp_rank` for chunks.
 pub struct RingTable {
@@ -165,10 +272,16 @@ pub struct RingTable {
     checkpoint: PathBuf,
     dp_rank: Option<i32>,
     chunk_bytes: usize,
-    written_generation: Mutex<u64>,
-    /// When the next checkpoint may be taken: copying the image takes a core (and ingest records aside meanwhile), so the interval
-    /// grows with the copy time (≤ 5 % of ingest time, at least once a second).
-    next_checkpoint: Mutex<Instant>,
+    /// The ring (weak: the ring holds this table as its hook).
+    hub: Weak<RingHub>,
+    /// When to write the checkpoint (the checkpoint thread's; never taken by ingest).
+    checkpointing: Mutex<Checkpointing>,
+    /// A publication of this sequence number or later wakes the checkpoint thread: the ring is
+    /// about to lap the checkpoint's cut (`u64::MAX`: none).
+    wake_at: AtomicU64,
+    /// The checkpoint thread, to wake.
+    waker: OnceLock<std::thread::Thread>,
+    gauges: CheckpointGauges,
     metrics: Arc<SnapshotMetrics>,
 }
 
@@ -195,11 +308,18 @@ impl PublishHook for RingTable {
                 meta.dp_rank,
                 last_seq,
             ));
-            return;
+        } else {
+            self.table
+                .lock()
+                .apply(src, records, meta.dp_rank, last_seq);
         }
-        self.table
-            .lock()
-            .apply(src, records, meta.dp_rank, last_seq);
+        drop(p);
+        if last_seq >= self.wake_at.load(Ordering::Relaxed) {
+            self.wake_at.store(u64::MAX, Ordering::Relaxed);
+            if let Some(t) = self.waker.get() {
+                t.unpark();
+            }
+        }
     }
 }
 
@@ -230,7 +350,17 @@ impl RingTable {
                 tracing::info!(ring = hub.label(), blocks = table.len(), restored = ?r, "snapshot table ready")
             }
         }
-        let generation = table.generation;
+        // A checkpoint that is exactly the table: its cut is the ring's newest record, so record
+        // cut + 1 will start at the ring's tail. Any other start writes one at once.
+        let disk = match restored {
+            Restored::Checkpoint { cut, records: 0 } => Some(OnDisk {
+                cut,
+                generation: table.generation,
+                start: hub.position().tail,
+                at: file_time(&checkpoint),
+            }),
+            _ => None,
+        };
         let t = Arc::new(RingTable {
             label: hub.label().to_string(),
             table: Mutex::new(table),
@@ -239,11 +369,21 @@ impl RingTable {
             checkpoint,
             dp_rank,
             chunk_bytes: cfg.chunk_bytes,
-            written_generation: Mutex::new(generation),
-            next_checkpoint: Mutex::new(Instant::now()),
+            hub: Arc::downgrade(hub),
+            checkpointing: Mutex::new(Checkpointing {
+                schedule: Schedule::new(cfg.checkpoint_interval, disk),
+                failing: None,
+                lapped: false,
+            }),
+            wake_at: AtomicU64::new(u64::MAX),
+            waker: OnceLock::new(),
+            gauges: CheckpointGauges::new(&metrics, hub.label()),
             metrics,
         });
         hub.set_hook(t.clone());
+        // the start-up checkpoint is written before anything publishes (before the engine's
+        // replay can lap the cut of the file found on disk)
+        t.checkpoint_tick(false);
         t.refresh_metrics();
         t
     }
@@ -258,22 +398,22 @@ impl RingTable {
         f(&self.table.lock())
     }
 
-    /// The table's image and its generation (a copy taken under the table lock, while ingest
-    /// records what it publishes aside: see the module docs).
-    fn image(&self) -> (Vec<u8>, u64) {
+    /// The table's image, its generation and its cut (a copy taken under the table lock, while
+    /// ingest records what it publishes aside: see the module docs).
+    fn image(&self) -> (Vec<u8>, u64, u64) {
         self.image_then(|| {})
     }
 
     /// [`image`](Self::image), running `during` after the copy and before the recorded sources
     /// are applied (tests publish there).
-    fn image_then(&self, during: impl FnOnce()) -> (Vec<u8>, u64) {
+    fn image_then(&self, during: impl FnOnce()) -> (Vec<u8>, u64, u64) {
         let _one = self.copy.lock();
         self.pending.lock().copying = true;
-        let (out, generation) = {
+        let (out, generation, cut) = {
             let t = self.table.lock();
             let mut out = Vec::new();
             t.write_image(&mut out);
-            (out, t.generation)
+            (out, t.generation, t.cut)
         };
         during();
         let mut p = self.pending.lock();
@@ -283,13 +423,13 @@ impl RingTable {
             t.apply_with(s.rank, s.first, s.last, &mut |v| s.replay(v));
         }
         p.copying = false;
-        (out, generation)
+        (out, generation, cut)
     }
 
     /// Builds a snapshot at the current cut; `None` when the cut is below the chunk count.
     pub fn snapshot(&self) -> Option<Chunks> {
         let t0 = Instant::now();
-        let (img, _) = self.image();
+        let (img, _, _) = self.image();
         let parsed = image::Image::parse(&img).expect("an image written in this process");
         let chunks = serve::build(
             &parsed,
@@ -317,22 +457,96 @@ impl RingTable {
         Some(chunks)
     }
 
-    /// Writes the checkpoint if the table changed since the last one (and, unless `now`, if
-    /// the interval since the last one has passed).
-    pub fn checkpoint(&self, now: bool) -> std::io::Result<bool> {
-        let mut written = self.written_generation.lock();
-        if self.table.lock().generation == *written
-            || (!now && Instant::now() < *self.next_checkpoint.lock())
+    /// The checkpoint thread's turn (see `schedule.rs`): writes the checkpoint when one is due
+    /// (`stopping`: the last one, if the table changed), updates the checkpoint gauges and sets
+    /// the publication that wakes the thread next. Returns how long the thread may sleep.
+    pub fn checkpoint_tick(&self, stopping: bool) -> Duration {
+        let Some(hub) = self.hub.upgrade() else {
+            return TICK;
+        };
+        let mut c = self.checkpointing.lock();
+        let now = Instant::now();
+        let pos = hub.position();
+        c.schedule.observe(now, &pos);
+        let generation = self.table.lock().generation;
+        let retry = c.failing.is_some_and(|t| now < t + RETRY) && !stopping;
+        if let Some(reason) = c
+            .schedule
+            .due(now, &pos, generation, stopping)
+            .filter(|_| !retry)
         {
-            return Ok(false);
+            match self.write_checkpoint(&hub) {
+                Ok((disk, bytes)) => {
+                    let took = disk.at.elapsed();
+                    c.schedule.written(disk, took);
+                    let g = &self.gauges;
+                    g.seconds.observe(took.as_secs_f64());
+                    g.bytes.inc_by(bytes);
+                    self.metrics
+                        .checkpoints
+                        .with_label_values(&[self.label.as_str(), reason.label()])
+                        .inc();
+                    if c.failing.take().is_some() {
+                        tracing::info!(ring = self.label, path = %self.checkpoint.display(),
+                            "snapshot checkpoint written again");
+                    }
+                    c.lapped = false;
+                }
+                Err(e) => {
+                    self.gauges.errors.inc();
+                    if c.failing.replace(now).is_none() {
+                        tracing::warn!(ring = self.label, path = %self.checkpoint.display(), error = %e,
+                            "cannot write the snapshot checkpoint (retrying; a restart meanwhile may rebuild the table incomplete)");
+                    }
+                }
+            }
         }
-        let t0 = Instant::now();
-        let (img, generation) = self.image();
-        let held = t0.elapsed();
-        *self.next_checkpoint.lock() = Instant::now() + (held * 20).max(Duration::from_secs(1));
+        let pos = hub.position();
+        let g = &self.gauges;
+        let margin = c.schedule.margin(&pos);
+        g.margin.set(margin.unwrap_or(0));
+        g.rate.set(c.schedule.rate());
+        g.age.set(
+            c.schedule
+                .disk
+                .map_or(0.0, |d| d.at.elapsed().as_secs_f64()),
+        );
+        if margin.is_some_and(|m| m < 0) && !c.lapped {
+            c.lapped = true;
+            g.lapped.inc();
+            tracing::warn!(ring = self.label, capacity = pos.capacity, write_rate = c.schedule.rate(),
+                "the ring lapped the snapshot checkpoint's cut: a restart now would rebuild the table incomplete (a larger --ring-size keeps it)");
+        }
+        let s = &c.schedule;
+        self.wake_at.store(s.wake_at(&pos), Ordering::Relaxed);
+        // a publication may have passed the new mark before it was set: look again soon then
+        let sleep = if hub.newest() >= self.wake_at.load(Ordering::Relaxed) {
+            Duration::from_millis(1)
+        } else {
+            TICK
+        };
+        let sleep = s.recheck(now, &pos).map_or(sleep, |d| d.min(sleep));
+        if c.failing.is_some() {
+            sleep.max(RETRY / 4)
+        } else {
+            sleep
+        }
+    }
+
+    /// Writes the checkpoint now: what is on disk afterwards, and the file's size.
+    fn write_checkpoint(&self, hub: &RingHub) -> std::io::Result<(OnDisk, u64)> {
+        let at = Instant::now();
+        // read before the copy: record cut + 1 starts here or later (a margin on the safe side)
+        let start = hub.position().tail;
+        let (img, generation, cut) = self.image();
         persist::write_checkpoint(&self.checkpoint, generation, &img)?;
-        *written = generation;
-        Ok(true)
+        let disk = OnDisk {
+            cut,
+            generation,
+            start,
+            at,
+        };
+        Ok((disk, (persist::HEADER_LEN + img.len()) as u64))
     }
 
     /// Updates the table gauges.
@@ -394,8 +608,9 @@ impl Snapshots {
 }
 
 /// A local reader's snapshot (no socket): the chunks of the checkpoint beside the ring at
-/// `ring`, at its cut N; read the ring from N + 1 on. The checkpoint is at most about a second
-/// old, and the ring must still hold N + 1 (else take it again).
+/// `ring`, at its cut N; read the ring from N + 1 on. The checkpoint is at most
+/// `--checkpoint-interval` old when the table changed (the ring then holds the rest), and the
+/// bridge rewrites it before the ring laps N + 1; a reader that finds N + 1 gone takes it again.
 pub fn from_checkpoint(ring: &Path) -> Result<Chunks, persist::CheckpointError> {
     let bytes = read_checkpoint(&checkpoint_path(ring))?;
     let img = image::Image::parse(&bytes)
@@ -404,9 +619,21 @@ pub fn from_checkpoint(ring: &Path) -> Result<Chunks, persist::CheckpointError> 
         .ok_or_else(|| persist::CheckpointError::Damaged("cut below the chunk count".to_string()))
 }
 
-/// Writes each table's checkpoint when it changed, once a second or, for large tables, as
-/// often as keeps the image copies (a core each) under 5 % of the time; refreshes the
-/// gauges; at `stop` writes a last checkpoint.
+/// When the checkpoint at `path` was written, as an `Instant` (now, if unknown).
+fn file_time(path: &Path) -> Instant {
+    let now = Instant::now();
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .and_then(|age| now.checked_sub(age))
+        .unwrap_or(now)
+}
+
+/// Writes each table's checkpoint when it is due (`schedule.rs`: before the ring laps the last
+/// one's cut, at most every `--checkpoint-interval` otherwise, never when nothing changed) and
+/// refreshes the gauges; at `stop` (unpark the thread after setting it) writes a last checkpoint
+/// of each table that changed.
 pub fn spawn_checkpointer(
     tables: Vec<Arc<RingTable>>,
     stop: Arc<AtomicBool>,
@@ -414,23 +641,20 @@ pub fn spawn_checkpointer(
     std::thread::Builder::new()
         .name("kvbridge-snapshot".into())
         .spawn(move || {
-            let mut last = Instant::now();
+            for t in &tables {
+                let _ = t.waker.set(std::thread::current());
+            }
             loop {
                 let stopping = stop.load(Ordering::SeqCst);
-                if stopping || last.elapsed() >= Duration::from_secs(1) {
-                    last = Instant::now();
-                    for t in &tables {
-                        if let Err(e) = t.checkpoint(stopping) {
-                            tracing::warn!(ring = t.label(), path = %t.checkpoint.display(), error = %e,
-                                "cannot write the snapshot checkpoint");
-                        }
-                        t.refresh_metrics();
-                    }
+                let mut sleep = TICK;
+                for t in &tables {
+                    sleep = sleep.min(t.checkpoint_tick(stopping));
+                    t.refresh_metrics();
                 }
                 if stopping {
                     break;
                 }
-                std::thread::sleep(Duration::from_millis(50));
+                std::thread::park_timeout(sleep);
             }
         })
         .expect("spawn the checkpoint thread")
@@ -519,7 +743,7 @@ mod tests {
         let mut at_cut = Vec::new();
         reference.image(&mut at_cut);
         let cut = reference.cut();
-        let (img, _) = rt.image_then(|| {
+        let (img, _, _) = rt.image_then(|| {
             for p in &payloads[300..] {
                 publish(&mut dec, &mut reference, p);
             }
