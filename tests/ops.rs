@@ -1265,8 +1265,18 @@ fn serve_start_up_removes_stale_ring_files_it_owns() {
         .filter(|n| !n.ends_with(".log"))
         .collect();
     names.sort();
-    // `ring.wake` is there again: the new ring's own.
-    assert_eq!(names, ["other.wake", "ring", "ring-old.wake", "ring.wake"]);
+    // `ring.wake` is there again: the new ring's own; `ring.snapshot` is the new ring's start-up
+    // checkpoint (written before the bridge serves).
+    assert_eq!(
+        names,
+        [
+            "other.wake",
+            "ring",
+            "ring-old.wake",
+            "ring.snapshot",
+            "ring.wake"
+        ]
+    );
     let log = bridge.log();
     for f in &stale[1..] {
         assert!(
