@@ -788,7 +788,9 @@ async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_co
 }
 
 /// Publishes one marker store and waits until the ring holds it (every earlier batch, replayed
-/// or not, is ingested then); returns the ring's newest number.
+/// or not, is ingested then); returns the marker's own number (the newest once it is in: the
+/// ring may still be taking in the engine's replay when the reader below opens, so the newest
+/// number read before the scan can be older than the marker).
 async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path) -> u64 {
     let (ev, h) = work.store(None, 1);
     work.chains.push(h.clone());
@@ -799,15 +801,17 @@ async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path) -> u6
         let n = r.newest();
         let _ = r.seek(n.saturating_sub(50).max(r.oldest()));
         let mut buf = Vec::new();
-        let mut found = false;
+        let mut found = None;
         while let kvbridge_shm::ReadOutcome::Record(v) = r.next() {
             if v.copy_to(&mut buf) {
                 let b: KvEventBatch = prost::Message::decode(buf.as_slice()).unwrap();
-                found |= stored_hashes(&[b]).contains(&h[0]);
+                if stored_hashes(&[b]).contains(&h[0]) {
+                    found = Some(v.seq());
+                }
             }
         }
-        if found {
-            return n;
+        if let Some(seq) = found {
+            return seq;
         }
         assert!(
             std::time::Instant::now() < deadline,
