@@ -10,6 +10,8 @@
 # Both are measured with `--syscalls` (perf) when perf can trace here; every run prints the
 # bench's own table, and the end a summary with kvbridge/servicer ratios. KVBRIDGE_BASE_BIN=PATH
 # adds a third row, another kvbridge binary (e.g. a build of an earlier commit), same run.
+# PERF_OUT=docs/perf/NAME.json also writes the summary table as data (scripts/perf-tables.py
+# renders the pages' tables from those files).
 # kvbridge's runs use `--floor`, so every run also measures the same shape without gRPC (a bare
 # sender writing one frame-sized message per connection per batch) and the summary adds those
 # rows and the kvbridge/floor ratios.
@@ -74,40 +76,69 @@ for i in $(seq "$RUNS"); do
     fi
 done
 
-"$PY" - "$OUT" "$RUNS" <<'EOF'
-import json, statistics, sys
-out, runs = sys.argv[1], int(sys.argv[2])
+"$PY" - "$OUT" "$RUNS" "${PERF_OUT:-}" "$0 $*" <<'EOF'
+import importlib.util, json, os, platform, statistics, sys, time
+out, runs, perf_out, command = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+spec = importlib.util.spec_from_file_location("perf_tables", "scripts/perf-tables.py")
+perf_tables = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(perf_tables)
 def load(name):
     return [json.load(open(f"{out}/{name}-{i}.json")) for i in range(1, runs + 1)]
 def med(rs, f):
     v = [f(r) for r in rs if f(r) is not None]
     return statistics.median(v) if v else float("nan")
-import os
 names = ["kvbridge", "servicer"] + (["baseline"] if os.path.exists(f"{out}/baseline-1.json") else [])
 rows = {n: load(n) for n in names}
 r0 = rows["kvbridge"][0]
 print(f"\n{r0['subscribers']} subscribers over {r0['connections']} connections, {r0['rate']} batches/s, medians of {runs} runs")
-print("| server | delivered / published×N | lost+err | gRPC p50 / p99 / p99.9 µs | CPU % | CPU µs / delivered batch | syscalls / delivered batch |")
-print("|---|---|---|---|---|---|---|")
+table = []
 for name, rs in rows.items():
     n = rs[0]["subscribers"]
-    print(f"| {name} | {med(rs, lambda r: r['grpc']['delivered']):.0f} / {med(rs, lambda r: r['published'] * n):.0f} "
-          f"| {max(r['grpc']['lost'] + r['grpc']['errors'] for r in rs)} "
-          f"| {med(rs, lambda r: r['grpc_latency']['p50_us']):.0f} / {med(rs, lambda r: r['grpc_latency']['p99_us']):.0f} / {med(rs, lambda r: r['grpc_latency']['p999_us']):.0f} "
-          f"| {med(rs, lambda r: r['bridge_cpu_percent']):.1f} "
-          f"| {med(rs, lambda r: r['cpu_us_per_delivered_batch']):.2f} "
-          f"| {med(rs, lambda r: r.get('syscalls_per_delivered_batch')):.2f} |")
+    table.append([
+        {"servicer": "SMG servicer", "baseline": "kvbridge (baseline binary)"}.get(name, name),
+        [med(rs, lambda r: r['grpc']['delivered']), med(rs, lambda r: r['published'] * n)],
+        max(r['grpc']['lost'] + r['grpc']['errors'] for r in rs),
+        [med(rs, lambda r: r['grpc_latency'][k]) for k in ("p50_us", "p99_us", "p999_us")],
+        med(rs, lambda r: r['bridge_cpu_percent']),
+        med(rs, lambda r: r['cpu_us_per_delivered_batch']),
+        med(rs, lambda r: r.get('syscalls_per_delivered_batch')),
+    ])
 for i, sender in enumerate(["blocking", "tokio"]):
     fs = [r["floor"][i] for r in rows["kvbridge"] if len(r.get("floor", [])) > i]
     if not fs:
         continue
     n = rows["kvbridge"][0]["subscribers"]
-    print(f"| floor, {sender} sender ({fs[0]['message_bytes']} B writes) | {med(fs, lambda f: f['delivered_batches']):.0f} / {med(fs, lambda f: f['rate'] * f['seconds'] * n):.0f} "
-          f"| {max(f['lost'] for f in fs)} "
-          f"| {med(fs, lambda f: f['latency']['p50_us']):.0f} / {med(fs, lambda f: f['latency']['p99_us']):.0f} / {med(fs, lambda f: f['latency']['p999_us']):.0f} "
-          f"| {med(fs, lambda f: f['sender_cpu_percent']):.1f} "
-          f"| {med(fs, lambda f: f['cpu_us_per_delivered_batch']):.2f} "
-          f"| {med(fs, lambda f: f.get('syscalls_per_delivered_batch')):.2f} |")
+    table.append([
+        f"floor, {sender} sender ({fs[0]['message_bytes']} B writes)",
+        [med(fs, lambda f: f['delivered_batches']), med(fs, lambda f: f['rate'] * f['seconds'] * n)],
+        max(f['lost'] for f in fs),
+        [med(fs, lambda f: f['latency'][k]) for k in ("p50_us", "p99_us", "p999_us")],
+        med(fs, lambda f: f['sender_cpu_percent']),
+        med(fs, lambda f: f['cpu_us_per_delivered_batch']),
+        med(fs, lambda f: f.get('syscalls_per_delivered_batch')),
+    ])
+load_avg = os.getloadavg()[0]
+data = {
+    "title": f"{r0['subscribers']} subscribers over {r0['connections']} connections, {r0['rate']} batches/s, medians of {runs} runs",
+    "command": command,
+    "machine": f"{os.cpu_count()} CPUs, Linux {platform.release()}, load average {load_avg:.1f} at the end",
+    "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    "columns": [
+        {"name": "server"},
+        {"name": "delivered / published×N", "format": "{:.0f} / {:.0f}"},
+        {"name": "lost", "format": "{:.0f}"},
+        {"name": "gRPC p50 / p99 / p99.9 µs", "format": "{:.0f} / {:.0f} / {:.0f}"},
+        {"name": "CPU %", "format": "{:.1f}"},
+        {"name": "CPU µs / delivered batch", "format": "{:.2f}"},
+        {"name": "syscalls / delivered batch", "format": "{:.2f}"},
+    ],
+    "rows": table,
+}
+print(perf_tables.render(data, perf_out or "(stdout)"))
+if perf_out:
+    with open(perf_out, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {perf_out}; render the pages with scripts/perf-tables.py")
 for i, sender in enumerate(["blocking", "tokio"]):
     r = [k["cpu_us_per_delivered_batch"] / k["floor"][i]["cpu_us_per_delivered_batch"]
          for k in rows["kvbridge"]

@@ -1,11 +1,46 @@
 #!/usr/bin/env python3
 """Runs the performance rows of docs/performance.md with `kvbridge bench` and prints a markdown table of the
-medians of N runs per row (default 3). Usage: scripts/perf-table.py [--runs N] [--seconds S]
+medians of N runs per row (default 3). Usage: scripts/perf-table.py [--runs N] [--seconds S] [--out docs/perf/NAME.json]
+
+With --out it writes the table as data (docs/perf/*.json); the pages' tables are rendered from
+those files by scripts/perf-tables.py, so they cannot drift from the numbers.
 
 Each row starts its own bridge (`kvbridge bench` without --grpc). Latency is end to end from the
 publisher's scheduled send time (no coordinated omission); "ring" is commit → shm reader.
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile
+import argparse, importlib.util, json, os, platform, statistics, subprocess, sys, tempfile, time
+
+_spec = importlib.util.spec_from_file_location("perf_tables", os.path.join(os.path.dirname(__file__), "perf-tables.py"))
+perf_tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(perf_tables)
+
+# The table's columns and how each cell's values are written (scripts/perf-tables.py).
+COLUMNS = [
+    {"name": "row"},
+    {"name": "delivered/published", "format": "{:.0f} / {:.0f}"},
+    {"name": "lost", "format": "{:.0f}"},
+    {"name": "gRPC p50 / p99 / p99.9 µs", "format": "{:.0f} / {:.0f} / {:.0f}"},
+    {"name": "shm p50 / p99 µs", "format": "{:.0f} / {:.0f}"},
+    {"name": "ring p50 / p99 / p99.9 µs", "format": "{:.1f} / {:.1f} / {:.1f}"},
+    {"name": "bridge CPU %", "format": "{:.1f}"},
+    {"name": "RSS MiB", "format": "{:.0f}"},
+    {"name": "CPU ms / delivered MB", "format": "{:.1f}"},
+    {"name": "CPU µs / batch", "format": "{:.2f}"},
+]
+
+
+def machine():
+    """What the numbers were measured on: cores, CPU model, kernel, load average at the start."""
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{os.cpu_count()} CPUs ({model}), Linux {platform.release()}, load average {load:.1f} at the start"
 
 ROWS = [
     # (label, rate, subscribers, connections, shm readers, extra flags). One subscriber per
@@ -41,14 +76,15 @@ def main():
     ap.add_argument("--bin", default=os.path.join(os.path.dirname(__file__), "..", "target", "release", "kvbridge"))
     ap.add_argument("--max-rates", default="20000,30000,40000,60000")
     ap.add_argument("--only", default="", help="run only the rows whose label contains this")
+    ap.add_argument("--out", help="write the table's data (JSON, docs/perf/*.json) here instead of printing it")
+    ap.add_argument("--machine", default="", help="describe the machine (default: from /proc)")
     a = ap.parse_args()
     rows = list(ROWS)
-    print("| row | delivered/published | lost | gRPC p50 / p99 / p99.9 µs | shm p50 / p99 µs | ring p50 / p99 / p99.9 µs | bridge CPU % | RSS MiB | CPU ms / delivered MB | CPU µs / delivered batch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
     best = None
     for rate in [int(x) for x in a.max_rates.split(",") if x]:
         rows.append((f"N=1, C=1, R={rate // 1000}k", rate, 1, 1, 1, []))
     rows = [r for r in rows if a.only in r[0]]
+    out = []
     for label, rate, subs, conns, readers, extra in rows:
         rs = [run(a.bin, rate, subs, conns, readers, extra, a.seconds) for _ in range(a.runs)]
         lost = max(r["grpc"]["lost"] + r["grpc"]["errors"] + r["shm"]["lost"] + r["shm"]["errors"] for r in rs)
@@ -57,13 +93,33 @@ def main():
         g = lambda k: (lambda r: r["grpc_latency"][k])
         s = lambda k: (lambda r: r["shm_latency"][k])
         q = lambda k: (lambda r: r["shm_ring_latency"][k])
-        print(f"| {label} | {med(rs, lambda r: r['grpc']['delivered'] / max(1, subs)):.0f} / {med(rs, lambda r: r['published']):.0f} "
-              f"| {lost} | {med(rs, g('p50_us')):.0f} / {med(rs, g('p99_us')):.0f} / {med(rs, g('p999_us')):.0f} "
-              f"| {med(rs, s('p50_us')):.0f} / {med(rs, s('p99_us')):.0f} "
-              f"| {med(rs, q('p50_us')):.1f} / {med(rs, q('p99_us')):.1f} / {med(rs, q('p999_us')):.1f} "
-              f"| {med(rs, lambda r: r['bridge_cpu_percent']):.1f} | {med(rs, lambda r: r['bridge_peak_rss_kib']) / 1024:.0f} "
-              f"| {med(rs, lambda r: r['cpu_ms_per_delivered_mb']):.1f} "
-              f"| {med(rs, lambda r: r['cpu_us_per_delivered_batch']):.2f} |", flush=True)
+        out.append([
+            label,
+            [med(rs, lambda r: r["grpc"]["delivered"] / max(1, subs)), med(rs, lambda r: r["published"])],
+            lost,
+            [med(rs, g("p50_us")), med(rs, g("p99_us")), med(rs, g("p999_us"))],
+            [med(rs, s("p50_us")), med(rs, s("p99_us"))],
+            [med(rs, q("p50_us")), med(rs, q("p99_us")), med(rs, q("p999_us"))],
+            med(rs, lambda r: r["bridge_cpu_percent"]),
+            med(rs, lambda r: r["bridge_peak_rss_kib"]) / 1024,
+            med(rs, lambda r: r["cpu_ms_per_delivered_mb"]),
+            med(rs, lambda r: r["cpu_us_per_delivered_batch"]),
+        ])
+        print(f"{label}: done", file=sys.stderr, flush=True)
+    data = {
+        "title": "Fan-out, shaped like real gateways",
+        "command": "scripts/perf-table.py " + " ".join(sys.argv[1:]),
+        "machine": a.machine or machine(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "columns": COLUMNS,
+        "rows": out,
+    }
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {a.out}; render the pages with scripts/perf-tables.py", file=sys.stderr)
+    else:
+        print(perf_tables.render(data, "(stdout)"))
     print(f"\nhighest tested rate with zero loss for N=1: {best}")
 
 

@@ -2,7 +2,8 @@
 # Everything CI checks, fast gates first. Run from anywhere: `bash scripts/test.sh`.
 #
 #   1. formatting, lints (-D warnings), docs (-D warnings)     — seconds to minutes, fail early
-#   2. the repository stands alone: no file outside it is read or pointed at; the Prometheus
+#   2. the repository stands alone: no file outside it is read or pointed at; the tables of
+#      measurements in the docs are rendered from their data files (docs/perf/); the Prometheus
 #      alert rules in ops/prometheus/ check and pass their unit tests (promtool)
 #   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
 #      that has no sibling folders (a test reading a file beside the repository fails to build)
@@ -34,6 +35,9 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 
 echo "== standalone: nothing points outside the repository"
 bash scripts/check-standalone.sh
+
+echo "== docs: the measurement tables are what their data files (docs/perf/*.json) say"
+python3 scripts/perf-tables.py --check
 
 echo "== ops/prometheus: promtool check rules, promtool test rules"
 PROMTOOL=$(bash scripts/promtool.sh | tail -1)

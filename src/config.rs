@@ -20,6 +20,9 @@ use thiserror::Error;
 use crate::decode::Profile;
 
 mod kv_events;
+mod reference;
+
+pub use reference::{flag_reference, serve_defaults, with_defaults};
 
 pub use kv_events::EngineFamily;
 
@@ -69,6 +72,8 @@ pub const MAX_HEALTH_GRACE_MS: u64 = 24 * 3600 * 1000;
 pub const METRICS_OFF: &str = "off";
 /// Largest `--data-parallel-size` accepted.
 pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+/// Default `--data-parallel-size`: one rank.
+pub const DEFAULT_DATA_PARALLEL_SIZE: u32 = 1;
 
 /// Where `/metrics` is served when `--metrics` is not given: on loopback, at the gRPC port +
 /// [`METRICS_PORT_OFFSET`] (gRPC 50061 → 127.0.0.1:51061), or − the offset for gRPC ports above
@@ -125,10 +130,11 @@ pub enum DpMode {
 }
 
 /// The filter profile as a flag value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum ProfileArg {
-    /// Drop what SMG gateways would misindex (default).
+    /// Drop what SMG gateways would misindex.
+    #[default]
     Smg,
     /// Forward everything decodable.
     All,
@@ -412,10 +418,10 @@ concern! {
         /// The engine's replay ROUTER for the rank in the same position (`--zmq` then `--zmq-bind`).
         #[arg(long, value_name = "ENDPOINT")]
         pub replay: Vec<String>,
-        /// ZMQ topic (default "": every topic). A non-empty topic is also compared exactly.
+        /// ZMQ topic. A non-empty topic is also compared exactly.
         #[arg(long)]
         pub topic: Option<String>,
-        /// Time to wait for the first replay reply and between replies, in ms [default: 2000].
+        /// Time to wait for the first replay reply and between replies, in ms.
         #[arg(long, value_name = "MS")]
         pub replay_timeout_ms: Option<u64>,
         /// The engine's own `--kv-events-config` JSON, or `@FILE` holding it: every rank's event
@@ -424,7 +430,7 @@ concern! {
         #[arg(long, value_name = "JSON|@FILE")]
         pub kv_events_config: Option<String>,
         /// The engine's data-parallel size, with --kv-events-config: rank r publishes on the
-        /// configured port + r [default: 1].
+        /// configured port + r.
         #[arg(long, value_name = "N")]
         pub data_parallel_size: Option<u32>,
         /// The engine that was given --kv-events-config; needed only where the engines' rules
@@ -432,7 +438,7 @@ concern! {
         #[arg(long, value_enum)]
         pub engine: Option<EngineFamily>,
         /// Largest engine message accepted, e.g. `32MiB`: ZMQ refuses a larger one (live or
-        /// replayed) and drops the connection it came on; the batch is then a gap [default: 32MiB].
+        /// replayed) and drops the connection it came on; the batch is then a gap.
         #[arg(long, value_name = "BYTES")]
         pub max_engine_message: Option<ByteSize>,
     }
@@ -496,7 +502,9 @@ impl EngineArgs {
                 explicit.join(", ")
             )));
         }
-        let dp_size = self.data_parallel_size.unwrap_or(1);
+        let dp_size = self
+            .data_parallel_size
+            .unwrap_or(DEFAULT_DATA_PARALLEL_SIZE);
         if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&dp_size) {
             return Err(invalid(format!(
                 "--data-parallel-size {dp_size}: must be between 1 and {MAX_DATA_PARALLEL_SIZE}"
@@ -527,16 +535,16 @@ concern! {
     /// The ring: its file, size and numbering.
     #[command(next_help_heading = "Ring")]
     pub struct RingArgs {
-        /// Ring file [default: /dev/shm/kvbridge-{grpc port}, the port as bound].
+        /// Ring file.
         #[arg(long, value_name = "PATH")]
         pub shm: Option<PathBuf>,
-        /// Ring data size, e.g. `64MiB`, `1048576` [default: 64MiB, minimum 1MiB].
+        /// Ring data size, e.g. `64MiB`, `1048576`.
         #[arg(long, value_name = "BYTES")]
         pub ring_size: Option<ByteSize>,
-        /// First sequence number of a brand-new ring (default: previous high-water + 2, else Unix µs).
+        /// First sequence number of a brand-new ring.
         #[arg(long, value_name = "N")]
         pub seq_base: Option<u64>,
-        /// Engine batches encoding above this become several records, each under 4MiB [default: 1MiB].
+        /// Engine batches encoding above this become several records, each under 4MiB.
         #[arg(long, value_name = "BYTES")]
         pub split_threshold: Option<ByteSize>,
         /// Make the ring file group-readable (0640 instead of 0600).
@@ -603,19 +611,17 @@ concern! {
     /// Snapshots for late joiners (docs/smg-api.md §6.5).
     #[command(next_help_heading = "Snapshots")]
     pub struct SnapshotArgs {
-        /// When a subscriber starting from 0 gets the live block table as snapshot chunks
-        /// [default: auto].
+        /// When a subscriber starting from 0 gets the live block table as snapshot chunks.
         #[arg(long, value_enum)]
         pub snapshot: Option<crate::snapshot::SnapshotMode>,
-        /// Most blocks the table holds per ring; beyond, snapshots are marked incomplete
-        /// [default: 4000000].
+        /// Most blocks the table holds per ring; beyond, snapshots are marked incomplete.
         #[arg(long, value_name = "N")]
         pub snapshot_max_blocks: Option<usize>,
-        /// Largest snapshot chunk (4KiB to 4MiB − 64KiB) [default: 1MiB].
+        /// Largest snapshot chunk (4KiB to 4MiB − 64KiB).
         #[arg(long, value_name = "BYTES")]
         pub snapshot_chunk_size: Option<ByteSize>,
         /// Least time between two checkpoints of the table beside the ring when the ring is not
-        /// about to lap the last one (1s to 7d, e.g. 90s, 5m) [default: 1m].
+        /// about to lap the last one (1s to 7d, e.g. 90s, 5m).
         #[arg(long, value_name = "DURATION")]
         pub checkpoint_interval: Option<String>,
     }
@@ -666,27 +672,26 @@ concern! {
     /// gRPC streaming: the listener, what is streamed, and how many may subscribe.
     #[command(next_help_heading = "Streaming")]
     pub struct StreamingArgs {
-        /// gRPC listen address [default: 127.0.0.1:50061].
+        /// gRPC listen address.
         #[arg(long, value_name = "ADDR")]
         pub grpc: Option<String>,
-        /// Multi-rank mode [default: merged].
+        /// Multi-rank mode.
         #[arg(long, value_enum)]
         pub dp_mode: Option<DpMode>,
         /// Send `dp_rank` on the merged stream (breaks G2 gateways, see README).
         #[arg(long)]
         pub send_dp_rank: bool,
-        /// Event filter profile [default: smg].
+        /// Event filter profile.
         #[arg(long, value_enum)]
         pub profile: Option<ProfileArg>,
-        /// Maximum concurrent subscribers; more get RESOURCE_EXHAUSTED [default: 10000].
+        /// Maximum concurrent subscribers; more get RESOURCE_EXHAUSTED.
         #[arg(long, value_name = "N")]
         pub max_subscribers: Option<usize>,
-        /// HTTP/2 max concurrent streams per gRPC connection; more wait on the client
-        /// [default: 100; with --engine-grpc none, so the engine's own limit applies].
+        /// HTTP/2 max concurrent streams per gRPC connection; more wait on the client.
         #[arg(long, value_name = "N")]
         pub max_streams_per_connection: Option<u32>,
         /// Close a gRPC connection that has not completed TLS (if on) and sent the HTTP/2
-        /// preface and its SETTINGS within this many ms [default: 10000].
+        /// preface and its SETTINGS within this many ms.
         #[arg(long, value_name = "MS")]
         pub handshake_timeout_ms: Option<u64>,
     }
@@ -793,15 +798,14 @@ concern! {
     /// Operations: metrics, logs and health.
     #[command(next_help_heading = "Operations")]
     pub struct OpsArgs {
-        /// Prometheus listen address, or `off` [default: 127.0.0.1:{grpc port + 1000}, or port 0
-        /// when the gRPC port is 0].
+        /// Prometheus listen address, or `off`.
         #[arg(long, value_name = "ADDR")]
         pub metrics: Option<String>,
-        /// Log format [default: text].
+        /// Log format.
         #[arg(long, value_enum)]
         pub log_format: Option<LogFormat>,
         /// Health stays SERVING this long after start-up and after the last upstream disconnect,
-        /// in ms [default: 10000].
+        /// in ms.
         #[arg(long, value_name = "MS")]
         pub health_grace_ms: Option<u64>,
     }
@@ -856,21 +860,20 @@ concern! {
         /// record to JetStream (off when not given).
         #[arg(long, value_name = "URL[,URL…]")]
         pub nats: Option<String>,
-        /// Subject prefix: records go to `<prefix>.<worker-id>.<rank|merged>` [default: kv].
+        /// Subject prefix: records go to `<prefix>.<worker-id>.<rank|merged>`.
         #[arg(long, value_name = "PREFIX")]
         pub nats_subject_prefix: Option<String>,
-        /// JetStream stream, created (or checked) with subjects `<prefix>.>` [default: KV_EVENTS].
+        /// JetStream stream, created (or checked) with subjects `<prefix>.>`.
         #[arg(long, value_name = "NAME")]
         pub nats_stream: Option<String>,
-        /// Stream replicas; an existing stream with another value is an error [default: 3].
+        /// Stream replicas; an existing stream with another value is an error.
         #[arg(long, value_name = "N")]
         pub nats_replicas: Option<usize>,
         /// Stream retention (max age), e.g. `1h`, `30m`, `2d`; an existing stream with another
-        /// value is an error [default: 1h].
+        /// value is an error.
         #[arg(long, value_name = "DURATION")]
         pub nats_max_age: Option<String>,
-        /// This bridge's name in the subjects (letters, digits, `-`, `_`)
-        /// [default: HOSTNAME-GRPCPORT].
+        /// This bridge's name in the subjects (letters, digits, `-`, `_`).
         #[arg(long, value_name = "ID")]
         pub nats_worker_id: Option<String>,
         /// NATS credentials file (`.creds`: user JWT and NKey seed).
@@ -1064,7 +1067,7 @@ concern! {
         #[arg(long, value_name = "FILE")]
         pub engine_tls_ca: Option<PathBuf>,
         /// Poll the engine's GetLoads this often and send `load_only` records to subscribers that
-        /// ask for them (0 = off) [default: 500].
+        /// ask for them (0 = off).
         #[arg(long, value_name = "MS")]
         pub load_interval_ms: Option<u64>,
     }

@@ -48,11 +48,6 @@ impl Secrets {
         self.tls.as_ref().map(ArcSwap::load_full)
     }
 
-    /// Whether a token is required.
-    pub fn token_required(&self) -> bool {
-        self.token.is_some()
-    }
-
     /// Runs `f` on the token in use (`None`: no token required).
     pub fn with_token<R>(&self, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
         match &self.token {

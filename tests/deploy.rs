@@ -211,7 +211,7 @@ fn grpc_port_with_free_metrics_port() -> u16 {
     }
 }
 
-/// A default ring (`/dev/shm/kvbridge-<port>`), removed with its wake file when dropped, even
+/// A default ring (`/dev/shm/kvbridge-<port>`), removed with its wake file and checkpoint when dropped, even
 /// when the test fails. Declare it before the bridge using it, so that the bridge goes first.
 struct DefaultRing(std::path::PathBuf);
 
@@ -223,8 +223,7 @@ impl DefaultRing {
 
 impl Drop for DefaultRing {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-        let _ = std::fs::remove_file(kvbridge_shm::wake_path(&self.0));
+        let _ = kvbridge::snapshot::remove_ring(&self.0);
     }
 }
 

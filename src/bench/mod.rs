@@ -166,13 +166,6 @@ pub struct BenchResult {
     pub floor: Vec<floor::FloorResult>,
 }
 
-impl BenchResult {
-    /// Total loss across every reader.
-    pub fn total_lost(&self) -> u64 {
-        self.grpc.lost + self.shm.lost + self.grpc.errors + self.shm.errors
-    }
-}
-
 /// The publisher thread: open loop, stamps each batch with its scheduled send time.
 pub struct Publisher {
     /// Sent in the measured window.

@@ -187,8 +187,7 @@ impl Drop for OwnBridge {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = kvbridge_shm::remove_ring(&self.shm);
-        let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(&self.shm));
+        let _ = crate::snapshot::remove_ring(&self.shm);
     }
 }
 
@@ -234,7 +233,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 std::env::temp_dir()
             };
             let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
-            let _ = kvbridge_shm::remove_ring(&shm);
+            let _ = crate::snapshot::remove_ring(&shm);
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
             let mut sink_args: Vec<String> = Vec::new();
             let mut sink_metrics = None;

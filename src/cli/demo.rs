@@ -91,12 +91,12 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     let ctx = zmq::Context::new();
     let engines = bind_engines(&ctx, a.ranks)?;
     let shm = demo_ring_path();
-    // The demo's ring is its own: removed (with its wake file) however the demo ends.
+    // The demo's ring is its own: removed (with its wake file and checkpoint) however the demo
+    // ends.
     struct RemoveRing(std::path::PathBuf);
     impl Drop for RemoveRing {
         fn drop(&mut self) {
-            let _ = kvbridge_shm::remove_ring(&self.0);
-            let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(&self.0));
+            let _ = crate::snapshot::remove_ring(&self.0);
         }
     }
     let _remove_ring = RemoveRing(shm.clone());

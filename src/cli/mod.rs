@@ -12,7 +12,7 @@ mod subscribe;
 mod subscribe_nats;
 mod tail;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 pub use json::BatchPrinter;
 pub use serve::{run_service, ServiceHandle};
@@ -70,7 +70,13 @@ impl CliError {
 
 /// Entry point used by `main`; returns the process exit code.
 pub fn main() -> i32 {
-    let cli = Cli::parse(); // clap prints usage errors itself and exits with 2
+    // clap prints usage errors itself and exits with 2. `serve`'s help gets each flag's default
+    // from the constants (config::with_defaults): the flags have no clap defaults, so that a TOML
+    // file can supply what the command line does not.
+    let matches = Cli::command()
+        .mut_subcommand("serve", crate::config::with_defaults)
+        .get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Serve(a) => serve::run(*a),
         Command::Subscribe(a) => subscribe::run(a),

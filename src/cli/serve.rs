@@ -198,8 +198,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     .await;
     if started.is_err() {
         for path in &created {
-            let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(path));
-            if let Err(e) = kvbridge_shm::remove_ring(path) {
+            if let Err(e) = crate::snapshot::remove_ring(path) {
                 tracing::warn!(path = %path.display(), error = %e, "cannot remove the ring this failed start created");
             }
         }

@@ -184,7 +184,7 @@ impl RankWorker {
                 let frames: [&[u8]; 3] = [&bufs[0], &bufs[1], &bufs[2]];
                 let seq = match wire::live_seq(&frames[..n.min(3)], &self.io.topic).and_then(|s| {
                     if n > 3 {
-                        Err(wire::Drop::FrameCount)
+                        Err(wire::FrameDrop::FrameCount)
                     } else {
                         Ok(s)
                     }

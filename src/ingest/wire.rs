@@ -2,7 +2,7 @@
 
 /// Why a live message was dropped before decoding (also the metric label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Drop {
+pub enum FrameDrop {
     /// Not exactly 3 frames.
     FrameCount,
     /// The seq frame is not exactly 8 bytes.
@@ -11,25 +11,25 @@ pub enum Drop {
     Topic,
 }
 
-impl Drop {
+impl FrameDrop {
     /// Metric label.
     pub fn label(self) -> &'static str {
         match self {
-            Drop::FrameCount => "frame_count",
-            Drop::SeqLength => "seq_length",
-            Drop::Topic => "topic",
+            FrameDrop::FrameCount => "frame_count",
+            FrameDrop::SeqLength => "seq_length",
+            FrameDrop::Topic => "topic",
         }
     }
 }
 
 /// Validates a live message `[topic, seq(8, BE), payload]`; returns its seq.
-pub fn live_seq(frames: &[&[u8]], topic: &[u8]) -> Result<u64, Drop> {
+pub fn live_seq(frames: &[&[u8]], topic: &[u8]) -> Result<u64, FrameDrop> {
     let [t, seq, _payload] = frames else {
-        return Err(Drop::FrameCount);
+        return Err(FrameDrop::FrameCount);
     };
-    let seq: [u8; 8] = (*seq).try_into().map_err(|_| Drop::SeqLength)?;
+    let seq: [u8; 8] = (*seq).try_into().map_err(|_| FrameDrop::SeqLength)?;
     if !topic.is_empty() && *t != topic {
-        return Err(Drop::Topic);
+        return Err(FrameDrop::Topic);
     }
     Ok(u64::from_be_bytes(seq))
 }
@@ -72,15 +72,24 @@ mod tests {
         let seq = 7u64.to_be_bytes();
         assert_eq!(live_seq(&[b"", &seq, b"x"], b""), Ok(7));
         assert_eq!(live_seq(&[b"kv-2", &seq, b"x"], b""), Ok(7));
-        assert_eq!(live_seq(&[b"kv-2", &seq, b"x"], b"kv"), Err(Drop::Topic));
+        assert_eq!(
+            live_seq(&[b"kv-2", &seq, b"x"], b"kv"),
+            Err(FrameDrop::Topic)
+        );
         assert_eq!(live_seq(&[b"kv", &seq, b"x"], b"kv"), Ok(7));
-        assert_eq!(live_seq(&[b"", &seq], b""), Err(Drop::FrameCount));
+        assert_eq!(live_seq(&[b"", &seq], b""), Err(FrameDrop::FrameCount));
         assert_eq!(
             live_seq(&[b"", &seq, b"x", b"y"], b""),
-            Err(Drop::FrameCount)
+            Err(FrameDrop::FrameCount)
         );
-        assert_eq!(live_seq(&[b"", &seq[..7], b"x"], b""), Err(Drop::SeqLength));
-        assert_eq!(live_seq(&[b"", &[0u8; 9], b"x"], b""), Err(Drop::SeqLength));
+        assert_eq!(
+            live_seq(&[b"", &seq[..7], b"x"], b""),
+            Err(FrameDrop::SeqLength)
+        );
+        assert_eq!(
+            live_seq(&[b"", &[0u8; 9], b"x"], b""),
+            Err(FrameDrop::SeqLength)
+        );
     }
 
     #[test]

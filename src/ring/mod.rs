@@ -21,7 +21,6 @@ mod source;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use kvbridge_shm::{
@@ -287,12 +286,6 @@ impl RingHub {
         let _ = self.hook.set(hook);
     }
 
-    /// Runs `f` while holding the writer lock: nothing is published meanwhile.
-    pub fn with_writer_locked<R>(&self, f: impl FnOnce() -> R) -> R {
-        let _st = self.writer.lock();
-        f()
-    }
-
     /// Keeps the writer's heartbeat fresh (readers report `WriterGone` when it goes stale), after
     /// checking that the ring file is still whole. An error means the ring is unusable: the hub
     /// is marked failed (see [`failure`](Self::failure)) and every waiter is woken.
@@ -361,17 +354,6 @@ impl RingHub {
     /// The encoded record `seq` and its ingest time (Unix ns), if still in the recent cache.
     pub fn cached_at(&self, seq: u64) -> Option<(Bytes, u64)> {
         self.cache.read().get(seq)
-    }
-
-    /// Resolves when a record newer than `seq` may exist (or after `max_wait`).
-    pub async fn wait_newer(&self, seq: u64, max_wait: Duration) {
-        let notified = self.notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        if self.newest() > seq {
-            return;
-        }
-        let _ = tokio::time::timeout(max_wait, notified).await;
     }
 
     /// Resolves when a record newer than `seq` may exist, or once `stop()` is true. No timer:

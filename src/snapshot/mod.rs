@@ -52,7 +52,7 @@ use crate::ring::{PublishHook, RecordSource, RingHub};
 use kvbridge_shm::RecordMeta;
 use schedule::{OnDisk, Schedule};
 
-pub use persist::{checkpoint_path, read_checkpoint, CheckpointError, Restored};
+pub use persist::{checkpoint_path, read_checkpoint, remove_ring, CheckpointError, Restored};
 pub use schedule::DEFAULT_CHECKPOINT_INTERVAL;
 pub use serve::{Chunks, CHUNK_MAX, CHUNK_MIN};
 pub use table::{Table, COPIES_CAP};

@@ -29,6 +29,22 @@ pub fn checkpoint_path(ring: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Removes the ring at `ring` with everything kvbridge keeps beside it: its wake file
+/// ([`kvbridge_shm::remove_ring`]), its checkpoint and any checkpoint a killed writer left half
+/// written. A checkpoint without its ring is useless (it restores a table only together with the
+/// ring's tail) and occupies tmpfs, which is memory. A file already gone is not an error; the
+/// first other error is returned after every removal was tried.
+pub fn remove_ring(ring: &Path) -> std::io::Result<()> {
+    let rings = kvbridge_shm::remove_ring(ring);
+    let cp = checkpoint_path(ring);
+    let checkpoint = match std::fs::remove_file(&cp) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    };
+    remove_stale_tmp(&cp);
+    rings.and(checkpoint)
+}
+
 /// Why a checkpoint was not used.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
