@@ -290,7 +290,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub ops: OpsArgs,
-    /// Sidecar mode (issue 9): the engine's gRPC server behind kvbridge.
+    /// Sidecar mode: the engine's gRPC server behind kvbridge.
     #[command(flatten)]
     #[serde(flatten)]
     pub proxy: ProxyArgs,
@@ -843,14 +843,11 @@ impl OpsArgs {
 
 // ------------------------------------------------------------------------------- NATS sink
 
-/// Default subject prefix of the NATS sink: records go to `<prefix>.<worker-id>.<rank|merged>`.
-pub const DEFAULT_NATS_SUBJECT_PREFIX: &str = "kv";
-/// Default JetStream stream name.
-pub const DEFAULT_NATS_STREAM: &str = "KV_EVENTS";
-/// Default stream replicas: a JetStream cluster of three keeps the stream through one node's loss.
-pub const DEFAULT_NATS_REPLICAS: usize = 3;
-/// Default stream retention (`max_age`): an hour.
-pub const DEFAULT_NATS_MAX_AGE: Duration = Duration::from_secs(3600);
+// The sink's settings type and defaults are the sink's own (`crate::sink`); here only the flags.
+pub use crate::sink::{
+    is_subject_token, NatsConfig, DEFAULT_NATS_MAX_AGE, DEFAULT_NATS_REPLICAS, DEFAULT_NATS_STREAM,
+    DEFAULT_NATS_SUBJECT_PREFIX,
+};
 
 concern! {
     /// The NATS JetStream sink: every ring record also published to a replicated stream.
@@ -887,38 +884,6 @@ concern! {
         #[arg(long)]
         pub nats_required: bool,
     }
-}
-
-/// The validated NATS sink settings.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NatsConfig {
-    /// Server URLs.
-    pub urls: Vec<String>,
-    /// Subject prefix.
-    pub subject_prefix: String,
-    /// Stream name.
-    pub stream: String,
-    /// Stream replicas.
-    pub replicas: usize,
-    /// Stream max age.
-    pub max_age: Duration,
-    /// Worker id; `None`: `HOSTNAME-GRPCPORT`, decided at start.
-    pub worker_id: Option<String>,
-    /// Credentials file.
-    pub creds: Option<PathBuf>,
-    /// CA for TLS.
-    pub tls_ca: Option<PathBuf>,
-    /// Fail-fast start-up: no NATS, no kvbridge (`--nats-required`).
-    pub required: bool,
-}
-
-/// Whether `s` is usable as one NATS subject token (and a stream name): non-empty, and only
-/// letters, digits, `-` and `_` (no `.`, wildcards or whitespace).
-pub fn is_subject_token(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 128
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
 /// `90s`, `30m`, `1h`, `2d` (or a bare number of seconds).
@@ -1039,7 +1004,7 @@ impl NatsArgs {
     }
 }
 
-// ---- Sidecar mode (issue 9, docs/smg-api.md §2 "Proxy mode") ----
+// ---- Sidecar mode (docs/smg-api.md §2 "Proxy mode") ----
 
 /// Default `--load-interval-ms` in sidecar mode.
 pub const DEFAULT_LOAD_INTERVAL_MS: u64 = 500;

@@ -28,6 +28,8 @@ pub mod decode;
 pub mod fanout;
 pub mod health;
 pub mod ingest;
+#[cfg(test)]
+mod layers;
 pub mod metrics;
 pub mod net;
 pub mod proto;

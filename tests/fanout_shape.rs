@@ -1,4 +1,4 @@
-//! How records are framed on the wire (issue 12, item 4): a subscriber that is behind — here
+//! How records are framed on the wire: a subscriber that is behind — here
 //! resuming from the start of a full window — gets many records per HTTP/2 DATA frame (one
 //! write carries many), instead of one frame per record. Seen with a raw HTTP/2 client, which
 //! receives DATA frames one by one.

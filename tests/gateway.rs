@@ -1,4 +1,4 @@
-//! The real gateway end to end (issue 9): PyPI `smg` 1.13.0 (pinned in `scripts/smg-venv.sh`)
+//! The real gateway end to end: PyPI `smg` 1.13.0 (pinned in `scripts/smg-venv.sh`)
 //! with a `cache_aware` policy and two gRPC workers whose URLs are two `kvbridge serve
 //! --engine-grpc` sidecars, each in front of its own engine (`tests/interop/smg_engine.py`, a
 //! minimal vLLM-shaped gRPC server) and fed by its own simulated ZMQ publisher.

@@ -3,7 +3,7 @@
 //!
 //! - a three-node JetStream cluster on loopback, a 3-replica stream, the stream's leader
 //!   SIGKILLed mid-run and restarted, twenty times: the stream holds every ring record once, in
-//!   stream order, byte for byte (issue 22);
+//!   stream order, byte for byte;
 //! - kvbridge SIGKILLed mid-run and restarted on its ring: every record exactly once; a stream
 //!   with other settings is an ERROR and a metric (kvbridge serves on), or, with
 //!   `--nats-required`, exit 2;
@@ -457,9 +457,9 @@ async fn stream_leader(js: &jetstream::Context, stream: &str, deadline: Instant)
     }
 }
 
-/// Issue 22: with many publications in flight, the ones routed to a failing leader were lost
-/// while later ones reached the new leader, and re-publication stored them after those (every
-/// record once, not in order; in about a third of the runs). Twenty leader kills in one run;
+/// Order across leader changes. A sink with many publications in flight lost the ones routed to
+/// a failing leader while later ones reached the new leader, and re-publication stored them after
+/// those (every record once, not in order; in about a third of the runs). Twenty leader kills in one run;
 /// the check is of the stream's order, record for record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_node_cluster_leader_sigkilled_20_times_the_stream_is_the_ring_in_order() {
@@ -866,7 +866,7 @@ async fn drive_off_thread(engine: Engine, shm: PathBuf, seed: u64, n: usize) -> 
     .unwrap()
 }
 
-/// Issue 22: NATS is optional at run time. Started with NATS down, kvbridge serves gRPC at once;
+/// NATS is optional at run time. Started with NATS down, kvbridge serves gRPC at once;
 /// the sink catches up when NATS comes, and again after NATS stops and comes back; the stream
 /// holds every record once, in order; kvbridge never exits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -627,7 +627,7 @@ fn shape_drops(page: &str) -> f64 {
 fn bad_payload(rng: &mut Rng) -> Vec<u8> {
     match rng.range(0, 4) {
         // msgpack nil: a batch of the wrong type. (An empty payload is not garbage: it is dropped
-        // before the state machine, leaving its seq to be filled, see issue 15.)
+        // before the state machine, leaving its seq to be filled.)
         0 => vec![0xc0],
         1 => {
             let mut v = vec![0xc1];
@@ -1313,7 +1313,7 @@ fn the_demo_leaves_no_ring_or_wake_file() {
     assert!(!std::path::Path::new(&wake).exists(), "{wake} left behind");
 }
 
-/// issue 15 (1): with the descriptor limit reached and connections waiting in the backlog, both
+/// With the descriptor limit reached and connections waiting in the backlog, both
 /// accept loops back off instead of spinning, count the failures, and serve again afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn descriptor_exhaustion_backs_off_counts_and_recovers() {
@@ -1398,7 +1398,7 @@ async fn descriptor_exhaustion_backs_off_counts_and_recovers() {
     bridge.stop();
 }
 
-/// issue 15 (3): the last engine seq sent again on the same connection is a repeated frame
+/// The last engine seq sent again on the same connection is a repeated frame
 /// (dropped, counted), not a restart; an empty payload does not move `last`, so the batch that
 /// follows with its seq is applied; the last seq again after a reconnect is a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1531,7 +1531,7 @@ const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const HANDSHAKE_MS: u64 = 300;
 const MARGIN: Duration = Duration::from_secs(5);
 
-/// issue 15 (2): a client that sends nothing, half the preface, or the preface without SETTINGS
+/// A client that sends nothing, half the preface, or the preface without SETTINGS
 /// is disconnected once `--handshake-timeout-ms` has passed; a real client is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_that_never_finish_the_http2_handshake_are_closed() {
@@ -1569,7 +1569,7 @@ async fn connections_that_never_finish_the_http2_handshake_are_closed() {
     bridge.stop();
 }
 
-/// issue 15 (2) with TLS: a client that never starts TLS, and one that completes TLS but never
+/// With TLS: a client that never starts TLS, and one that completes TLS but never
 /// sends the HTTP/2 preface, are both disconnected once the handshake timeout has passed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_connections_that_never_finish_the_handshake_are_closed() {
@@ -1616,7 +1616,7 @@ async fn tls_connections_that_never_finish_the_handshake_are_closed() {
     bridge.stop();
 }
 
-/// issue 15 (5): a message above `--max-engine-message` is never delivered: ZMQ refuses it
+/// A message above `--max-engine-message` is never delivered: ZMQ refuses it
 /// before allocating it and drops the publisher connection; kvbridge connects again, the batch
 /// becomes a gap that replay cannot fill (the replayed copy is refused too), which is signalled
 /// in band, and later valid messages flow.
@@ -1704,7 +1704,7 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
-/// issue 15 (4), a measurement rather than a check (run with `--ignored --nocapture`): the
+/// A measurement rather than a check (run with `--ignored --nocapture`): the
 /// bridge's resident memory per open stream, with 1,000 streams from S = 0 on one connection
 /// over a ring holding a serving workload, each stream having caught up with the ring.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! Secrets rotate under a running bridge (issue 12, item 5): the certificate, its key and the
+//! Secrets rotate under a running bridge: the certificate, its key and the
 //! bearer token are replaced on disk while a subscriber streams; the stream stays open, new
 //! connections get the new certificate and must send the new token, and a broken file is
 //! logged and ignored (the secrets in use are kept). The real binary, over real TLS.

@@ -1,30 +1,7 @@
-//! CPU time and peak RSS of a process, from `/proc` (Linux).
+//! What the bench measures of a process: CPU time and memory (from `/proc`, shared with the
+//! `process_*` metrics in [`crate::metrics::process`]) and system calls (`perf`).
 
-/// User + system CPU seconds of `pid`.
-pub fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may contain spaces: fields are counted after its ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let (utime, stime): (u64, u64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
-    // SAFETY: sysconf has no preconditions; it only reads a system constant.
-    let tck = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    Some((utime + stime) as f64 / tck.max(1) as f64)
-}
-
-/// Peak resident set size (`VmHWM`) of `pid`, in KiB.
-pub fn peak_rss_kib(pid: u32) -> Option<u64> {
-    status_kib(pid, "VmHWM")
-}
-
-/// A size field of `/proc/PID/status` (`VmRSS`, `VmSize`, `VmHWM`, …), in KiB.
-pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
+pub use crate::metrics::process::{cpu_seconds, peak_rss_kib, status_kib};
 
 /// Counts a process's system calls (all its threads) over a window, with
 /// `perf stat -e raw_syscalls:sys_enter -p PID`: in-kernel counting, so unlike `strace` it barely
@@ -77,18 +54,6 @@ fn parse_perf_count(text: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn reads_our_own_process() {
-        let me = std::process::id();
-        let mut x = 0u64;
-        for i in 0..3_000_000u64 {
-            x = x.wrapping_add(i * i);
-        }
-        assert!(x > 0);
-        assert!(super::cpu_seconds(me).is_some());
-        assert!(super::peak_rss_kib(me).unwrap() > 0);
-    }
-
     #[test]
     fn parses_perf_stat_csv() {
         let text = "12345,,raw_syscalls:sys_enter,1001234,100.00,,\n";

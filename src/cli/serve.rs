@@ -267,7 +267,7 @@ async fn start_on_rings(
         }
         None => None,
     };
-    // Snapshot tables: attached before ingest starts, so they see every record (issue 10).
+    // Snapshot tables: attached before ingest starts, so they see every record.
     let snapshot_tables = attach_snapshot_tables(
         cfg,
         shm,
@@ -321,7 +321,7 @@ async fn start_on_rings(
     );
     let metrics_task =
         metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
-    // Sidecar mode (issue 9): the engine's gRPC server behind the same listener; health then
+    // Sidecar mode: the engine's gRPC server behind the same listener; health then
     // also needs the engine, and subscribers that ask get its load records.
     let sidecar = match &cfg.proxy {
         Some(p) => {
@@ -349,20 +349,26 @@ async fn start_on_rings(
         handshake_timeout: Some(cfg.handshake_timeout),
         health: Some(reporter.clone()),
         reload: Some(cfg.secret_files.clone()),
-        sidecar: sidecar.clone(),
     };
     let edge = crate::fanout::edge(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;
     let server = {
         let mut rx = shutdown_rx;
+        let sidecar = sidecar.clone();
         tokio::spawn(async move {
             let stop = async move {
                 let _ = rx.wait_for(|v| *v).await;
                 // Let streams deliver their UNAVAILABLE before connections close.
                 tokio::time::sleep(Duration::from_millis(200)).await;
             };
-            if let Err(e) = edge.serve(listener, stop).await {
-                tracing::error!(error = %e, "gRPC server failed");
+            match sidecar {
+                // Sidecar mode: kvbridge's routes for its own paths, the engine for the rest.
+                Some(s) => s.serve_edge(edge, listener, stop).await,
+                None => {
+                    if let Err(e) = edge.serve(listener, stop).await {
+                        tracing::error!(error = %e, "gRPC server failed");
+                    }
+                }
             }
         })
     };

@@ -9,7 +9,7 @@
 //! Splitting needs sizes that hold for *any* record header; those upper bounds
 //! ([`REC_OVERHEAD_MAX`], [`entry_bound`]) sit beside the exact lengths they bound.
 use super::ekeys::Key;
-use super::filter::{Locality, Tier};
+use super::enums::{Locality, Tier};
 use super::pb::{int32, ld, opt_varint_len, tag, vlen, W};
 use super::reader::read_token;
 use super::scratch::{Ev, EvKind, Part, Span};

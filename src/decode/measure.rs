@@ -5,8 +5,9 @@ use super::encode::{
     block_len, block_shared_len, cleared_len, extra_key_entry_len, removed_fixed_len,
     stored_fixed_len,
 };
+use super::enums::{Locality, Tier};
 use super::fields::{Fields, Invalid, Tokens};
-use super::filter::{Locality, Tier, Traits};
+use super::filter::Traits;
 use super::pb::vlen;
 use super::reader::{read_token, Cur};
 use super::scratch::{BlockInfo, Ev, EvKind};

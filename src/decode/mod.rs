@@ -148,6 +148,7 @@
 //! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
 mod encode;
+mod enums;
 mod error;
 mod fields;
 mod filter;

@@ -6,7 +6,7 @@
 //! that does not have them) a block is encoded again by the function that wrote it
 //! (`encode.rs`), with the same result. A store's attributes are always encoded (a few bytes).
 use super::encode::{stored_fixed_len, write_stored_fixed};
-use super::filter::Tier;
+use super::enums::Tier;
 use super::pb::{ld, W};
 use super::scratch::{Ev, EvKind};
 use super::{Decoder, NOT_WRITTEN};

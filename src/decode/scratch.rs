@@ -1,7 +1,7 @@
 //! What pass 1 leaves for pass 2: the entries of the decoder's reusable scratch vectors (spans
 //! into the payload, one entry per kept event, per block, per emitted part and per record).
 //! Offsets are `u32`: payloads are at most `u32::MAX` bytes.
-use super::filter::{Locality, Tier};
+use super::enums::{Locality, Tier};
 
 /// A string in the payload.
 #[derive(Clone, Copy, Debug, Default)]

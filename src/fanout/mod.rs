@@ -17,6 +17,7 @@
 //! later fresh subscribers start after it (the hub remembers it). Records from the recent cache
 //! were copied at commit time and need no check.
 
+mod load;
 mod service;
 
 pub(crate) use service::{CLIENT_KEEPALIVE_INTERVAL, CLIENT_KEEPALIVE_TIMEOUT};
@@ -32,6 +33,7 @@ use tonic::Status;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
+pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
 pub use service::{edge, service_names, Edge, EdgeOptions};
 
 /// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
@@ -84,8 +86,8 @@ pub struct Fanout {
     shutdown: tokio::sync::watch::Receiver<bool>,
     /// Sidecar mode: the engine's load samples, interleaved as `load_only` records for
     /// subscribers that set request field 2 (docs/smg-api.md §3.5; see `crate::proxy`).
-    load_feed: std::sync::OnceLock<crate::proxy::LoadFeed>,
-    /// Snapshot tables (issue 10); `None`: the retained window only.
+    load_feed: std::sync::OnceLock<LoadFeed>,
+    /// Snapshot tables; `None`: the retained window only.
     snapshots: Option<crate::snapshot::Snapshots>,
 }
 
@@ -112,7 +114,7 @@ impl Fanout {
 
     /// Sidecar mode: send the engine's load samples to subscribers that ask for load records.
     /// Set once, before serving; later calls are ignored.
-    pub fn attach_load_feed(&self, feed: crate::proxy::LoadFeed) {
+    pub fn attach_load_feed(&self, feed: LoadFeed) {
         let _ = self.load_feed.set(feed);
     }
 
@@ -201,7 +203,7 @@ impl Fanout {
         guard.gauge = true;
 
         let mut reader = hub.reader();
-        // Snapshot (issue 10): chunks numbered up to the cut, then the ring from cut + 1.
+        // Snapshot: chunks numbered up to the cut, then the ring from cut + 1.
         let snapshot = self
             .snapshots
             .as_ref()

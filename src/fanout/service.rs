@@ -127,7 +127,7 @@ impl PathHandler {
         });
         // Load records (sidecar mode) only for clients that accept them (docs/smg-api.md §3.5).
         if let (true, Some(feed)) = (wants_load, self.fanout.load_feed.get()) {
-            let stream = crate::proxy::with_load_records(Box::pin(stream), feed.clone());
+            let stream = super::with_load_records(Box::pin(stream), feed.clone());
             return Ok(Response::new(Box::pin(stream)));
         }
         Ok(Response::new(Box::pin(stream)))
@@ -204,8 +204,6 @@ pub struct EdgeOptions {
     /// Re-read `tls` and `auth_token` from these files on SIGHUP and when they change
     /// (`crate::secrets`); `None`: they stay as given for the whole run.
     pub reload: Option<crate::config::SecretFiles>,
-    /// Sidecar mode: every call but `SubscribeKvEvents` and health goes to this engine.
-    pub sidecar: Option<Arc<crate::proxy::Sidecar>>,
 }
 
 /// The fully-qualified names of the four `SubscribeKvEvents` services.
@@ -238,7 +236,6 @@ fn with_path<S: tonic::server::NamedService>(
 pub struct Edge {
     routes: tonic::service::Routes,
     max_streams: Option<u32>,
-    sidecar: Option<Arc<crate::proxy::Sidecar>>,
     secrets: Arc<crate::secrets::Secrets>,
     reload: Option<crate::config::SecretFiles>,
     handshake_timeout: Duration,
@@ -262,7 +259,6 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
     Ok(Edge {
         routes: routes_with(fanout, opts, &secrets),
         max_streams: opts.max_streams_per_connection,
-        sidecar: opts.sidecar.clone(),
         secrets,
         reload: opts.reload.clone(),
         handshake_timeout,
@@ -318,63 +314,78 @@ fn server_builder() -> tonic::transport::Server {
         .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
 }
 
-impl Edge {
-    /// Serves on an already-bound listener (bound early, so an occupied port is a start-up
-    /// error) until `shutdown` resolves. Connections come from our own accept loop
-    /// ([`crate::net::Acceptor`]: no spinning when descriptors run out), each wrapped in a
-    /// [`crate::net::EdgeIo`] (TLS, handshake deadline). In sidecar mode all of it runs on the
-    /// sidecar's own runtime ([`crate::proxy::Sidecar::spawn`]).
-    pub async fn serve(
-        self,
+/// What another HTTP/2 server needs to serve the edge on connections of its own: sidecar mode
+/// (`crate::proxy`) serves these routes beside the calls it forwards, on its own runtime. The
+/// edge does not know that server; the server takes the edge apart ([`Edge::into_parts`]).
+pub struct EdgeParts {
+    /// kvbridge's own services.
+    pub routes: tonic::service::Routes,
+    /// HTTP/2 max concurrent streams per connection, as configured (`None`: not given).
+    pub max_streams: Option<u32>,
+    secrets: Arc<crate::secrets::Secrets>,
+    handshake_timeout: Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+    _watcher: Option<AbortOnDrop>,
+}
+
+impl EdgeParts {
+    /// The accepted connections of `listener`, each under TLS (if on) and the handshake
+    /// deadline, exactly as the edge's own server takes them.
+    pub fn incoming(
+        &self,
         listener: tokio::net::TcpListener,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<(), tonic::transport::Error> {
+    ) -> impl Stream<Item = crate::net::EdgeIo> + Send {
+        incoming(
+            listener,
+            self.secrets.clone(),
+            self.handshake_timeout,
+            &self.metrics,
+        )
+    }
+}
+
+impl Edge {
+    /// The edge's parts, for a server that is not tonic's (see [`EdgeParts`]). Starts watching
+    /// the TLS and token files (needs a tokio runtime); the watch ends when the parts are dropped.
+    pub fn into_parts(self) -> EdgeParts {
         let Edge {
             routes,
             max_streams,
-            sidecar,
             secrets,
             reload,
             handshake_timeout,
             metrics,
         } = self;
-        // Aborted when serving ends (the handle is dropped with this future too).
         let _watcher = reload
             .map(|files| AbortOnDrop(tokio::spawn(crate::secrets::watch(secrets.clone(), files))));
-        if let Some(sidecar) = sidecar {
-            // Sidecar mode: kvbridge's routes for its own paths, the engine for the rest, all on
-            // the sidecar's own runtime (see `crate::proxy`), the listener included.
-            let max_streams =
-                max_streams.unwrap_or(crate::config::PROXY_MAX_STREAMS_PER_CONNECTION);
-            let listener = match listener.into_std() {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::error!(error = %e, "gRPC listener unusable");
-                    return Ok(());
-                }
-            };
-            let s = sidecar.clone();
-            let task = AbortOnDrop(sidecar.spawn(async move {
-                let listener = match tokio::net::TcpListener::from_std(listener) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        tracing::error!(error = %e, "gRPC listener unusable");
-                        return;
-                    }
-                };
-                let incoming = incoming(listener, secrets, handshake_timeout, &metrics);
-                s.serve(routes, incoming, max_streams, shutdown).await;
-            }));
-            let _ = task.wait().await;
-            return Ok(());
+        EdgeParts {
+            routes,
+            max_streams,
+            secrets,
+            handshake_timeout,
+            metrics,
+            _watcher,
         }
+    }
+
+    /// Serves on an already-bound listener (bound early, so an occupied port is a start-up
+    /// error) until `shutdown` resolves. Connections come from our own accept loop
+    /// ([`crate::net::Acceptor`]: no spinning when descriptors run out), each wrapped in a
+    /// [`crate::net::EdgeIo`] (TLS, handshake deadline).
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), tonic::transport::Error> {
+        let max_streams = self.max_streams;
+        let parts = self.into_parts();
         // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
         // deadline (tonic's own TLS would hold a silent client's handshake open forever).
         use futures_util::StreamExt;
-        let incoming = incoming(listener, secrets, handshake_timeout, &metrics);
+        let incoming = parts.incoming(listener);
         server_builder()
             .max_concurrent_streams(max_streams)
-            .add_routes(routes)
+            .add_routes(parts.routes.clone())
             .serve_with_incoming_shutdown(incoming.map(Ok::<_, std::io::Error>), shutdown)
             .await
     }
@@ -408,13 +419,6 @@ fn incoming(
 
 /// Aborts the task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl AbortOnDrop {
-    /// Waits for the task to end (aborted if this future is dropped first).
-    async fn wait(mut self) -> Result<(), tokio::task::JoinError> {
-        (&mut self.0).await
-    }
-}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

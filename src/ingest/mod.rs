@@ -13,6 +13,7 @@
 //! Nothing downstream runs on a rank thread except that decode-and-commit, so the SUB is drained
 //! as fast as the engine publishes (a full ZMQ pipe would make the engine's PUB drop silently).
 
+mod io;
 mod rank;
 mod replay;
 mod sink;
@@ -30,7 +31,8 @@ use crate::decode::{DecodeConfig, Decoder};
 use crate::health::UpstreamState;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
-use rank::{RankIo, RankWorker};
+use io::RankIo;
+use rank::RankWorker;
 use sink::RingSink;
 use upstream::{Limits, RankState};
 
@@ -85,6 +87,11 @@ impl Ingest {
             let max_message = i64::try_from(cfg.max_engine_message).unwrap_or(i64::MAX);
             let (sub, monitor) = rank::open_sub(&ctx, rank, cfg.topic.as_bytes(), max_message)?;
             let m = metrics.rank(rank.rank);
+            // Every clear cause at 0 from the start, so that a rate over it is defined before
+            // the first clear (ingest is what inserts them).
+            for cause in crate::ring::ClearCause::ALL {
+                m.clear_series(cause.label());
+            }
             let decoder = Decoder::new(DecodeConfig {
                 split_threshold: cfg.split_threshold as usize,
                 profile: cfg.profile,

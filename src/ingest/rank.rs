@@ -1,17 +1,16 @@
 //! One rank's thread: its SUB (with a socket monitor), the poll loop, frame validation, and
 //! hand-off of each valid batch to the state machine.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::replay::ZmqReplay;
+use super::io::RankIo;
 use super::sink::RingSink;
 use super::upstream::{Pos, RankState, ReplaySource};
 use super::{wire, IngestError};
 use crate::config::RankEndpoint;
 use crate::health::UpstreamState;
-use crate::metrics::RankMetrics;
 
 /// Socket monitor events the rank thread follows (docs/engine-wire.md §1: the PUB side never says
 /// anything, so the transport is the only sign of a publisher).
@@ -90,27 +89,6 @@ pub(super) struct RankWorker {
     pub(super) upstream: Arc<UpstreamState>,
     pub(super) state: RankState,
     pub(super) sink: RingSink,
-}
-
-/// A rank's sockets and settings: what the receive loop and the replay client share.
-pub(super) struct RankIo {
-    pub(super) rank: RankEndpoint,
-    pub(super) ctx: zmq::Context,
-    pub(super) sub: zmq::Socket,
-    pub(super) topic: Vec<u8>,
-    pub(super) stop: Arc<AtomicBool>,
-    pub(super) replay_timeout: Duration,
-    /// `ZMQ_MAXMSGSIZE` for the SUB and the replay DEALER.
-    pub(super) max_message: i64,
-    pub(super) m: RankMetrics,
-}
-
-impl RankIo {
-    /// The replay client, when this rank has a replay endpoint.
-    fn replay(&self) -> Option<ZmqReplay<'_>> {
-        let endpoint = self.rank.replay.as_deref()?;
-        Some(ZmqReplay::new(self, endpoint))
-    }
 }
 
 /// Receives one multipart message into reusable buffers; returns the frame count (frames past

@@ -4,9 +4,17 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::rank::RankIo;
+use super::io::RankIo;
 use super::upstream::{ReplayEnd, ReplaySource};
 use super::wire::{self, Reply};
+
+impl RankIo {
+    /// The replay client, when this rank has a replay endpoint.
+    pub(super) fn replay(&self) -> Option<ZmqReplay<'_>> {
+        let endpoint = self.rank.replay.as_deref()?;
+        Some(ZmqReplay::new(self, endpoint))
+    }
+}
 
 /// The engine's replay service, reached with a fresh DEALER per request (so a late reply to an
 /// abandoned request can never be taken for part of the next one).

@@ -5,6 +5,8 @@
 //! HTTP side is a deliberately tiny responder (GET anything → the metrics page), because the
 //! endpoint has one job and pulling a web framework in for it would cost more than it gives.
 
+pub mod process;
+
 use std::net::SocketAddr;
 
 use prometheus::{
@@ -371,10 +373,6 @@ impl Metrics {
     pub fn rank(&self, rank: u32) -> RankMetrics {
         let r = rank.to_string();
         let l = [r.as_str()];
-        for cause in crate::ring::ClearCause::ALL {
-            self.synthesized_clears
-                .with_label_values(&[r.as_str(), cause.label()]);
-        }
         RankMetrics {
             label: r.clone(),
             batches: self.batches_received.with_label_values(&l),
@@ -459,6 +457,10 @@ impl RankMetrics {
             .with_label_values(&[self.label.as_str(), outcome])
             .inc();
     }
+    /// Creates the synthesized-clear series for `cause` (at 0) without counting one.
+    pub fn clear_series(&self, cause: &str) {
+        self.clears.with_label_values(&[self.label.as_str(), cause]);
+    }
     /// Counts a synthesized clear.
     pub fn clear(&self, cause: &str) {
         self.clears
@@ -512,7 +514,7 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
-// ---- Sidecar mode (issue 9) ----
+// ---- Sidecar mode ----
 
 /// Metrics of sidecar mode: calls forwarded to the engine's gRPC server. Registered in every
 /// mode (all zero without `--engine-grpc`), so dashboards need no second variant.
@@ -641,7 +643,7 @@ impl ProcessMetrics {
 
     /// Reads `/proc/self` into the metrics and gathers them.
     fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
-        use crate::bench::proc_stats;
+        use process as proc_stats;
         let pid = std::process::id();
         let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         if let Some(cpu) = proc_stats::cpu_seconds(pid) {

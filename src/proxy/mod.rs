@@ -55,8 +55,6 @@ use h2io::{Pipe, RecvBody};
 use crate::config::ProxyConfig;
 use crate::metrics::Metrics;
 
-pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
-
 /// HTTP/2 receive window per client connection.
 const CLIENT_CONNECTION_WINDOW: u32 = 64 << 20;
 /// How often the engine is probed for health (`grpc.health.v1` in sidecar mode).
@@ -91,7 +89,7 @@ pub struct Sidecar {
     answering: Arc<AtomicBool>,
     /// Set at the start of a shutdown: the listener closes at once (open streams drain).
     draining: tokio::sync::watch::Sender<bool>,
-    load: Option<LoadFeed>,
+    load: Option<crate::fanout::LoadFeed>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     runtime: ProxyRuntime,
 }
@@ -163,7 +161,7 @@ impl Sidecar {
     }
 
     /// The engine's load samples, when polling is on.
-    pub fn load_feed(&self) -> Option<LoadFeed> {
+    pub fn load_feed(&self) -> Option<crate::fanout::LoadFeed> {
         self.load.clone()
     }
 
@@ -199,6 +197,50 @@ impl Sidecar {
         } else {
             forward::forward(&self.upstream, &self.metrics, req, respond).await
         }
+    }
+
+    /// Serves the gRPC edge (`edge`: kvbridge's own routes, TLS, the handshake deadline) on
+    /// `listener` in sidecar mode until `shutdown`, all of it on the sidecar's own runtime, the
+    /// listener included; every call the edge does not serve goes to the engine.
+    pub async fn serve_edge(
+        self: Arc<Self>,
+        edge: crate::fanout::Edge,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) {
+        let listener = match listener.into_std() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "gRPC listener unusable");
+                return;
+            }
+        };
+        let s = self.clone();
+        let task = self.spawn(async move {
+            let listener = match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "gRPC listener unusable");
+                    return;
+                }
+            };
+            let parts = edge.into_parts();
+            let max_streams = parts
+                .max_streams
+                .unwrap_or(crate::config::PROXY_MAX_STREAMS_PER_CONNECTION);
+            let incoming = parts.incoming(listener);
+            s.serve(parts.routes.clone(), incoming, max_streams, shutdown)
+                .await;
+        });
+        // Aborted with this future: serving ends when its caller stops waiting.
+        struct AbortOnDrop(tokio::task::JoinHandle<()>);
+        impl Drop for AbortOnDrop {
+            fn drop(&mut self) {
+                self.0.abort();
+            }
+        }
+        let mut task = AbortOnDrop(task);
+        let _ = (&mut task.0).await;
     }
 
     /// Serves the gRPC listener in sidecar mode until `shutdown`: connections from `incoming`

@@ -31,7 +31,13 @@
 //! `Kvbridge-Dp-Rank` (the engine rank the record came from), `Kvbridge-Cleared` (only on a
 //! synthesized clear: why) and `Nats-Msg-Id` (plus JetStream's own `Nats-Batch-*` ones).
 
+mod config;
 mod publisher;
+
+pub use config::{
+    is_subject_token, NatsConfig, DEFAULT_NATS_MAX_AGE, DEFAULT_NATS_REPLICAS, DEFAULT_NATS_STREAM,
+    DEFAULT_NATS_SUBJECT_PREFIX,
+};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,7 +48,6 @@ use prometheus::{
 };
 use thiserror::Error;
 
-use crate::config::NatsConfig;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 

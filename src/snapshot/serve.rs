@@ -13,7 +13,18 @@ use bytes::Bytes;
 use prost::encoding::{encode_varint, encoded_len_varint};
 
 use super::image::{Image, ImageBlock};
-use super::table::FastMap;
+use super::table::{FastMap, Table};
+
+impl Table {
+    /// The table's snapshot at its cut, in chunks of at most `chunk_bytes` (`None`: the cut is
+    /// below the chunk count). What a subscriber gets; here without the lock and metrics.
+    pub fn chunks(&self, chunk_bytes: usize) -> Option<Chunks> {
+        let mut img = Vec::new();
+        self.image(&mut img);
+        let parsed = Image::parse(&img).expect("an image written in this process");
+        build(&parsed, crate::clock::unix_seconds(), None, chunk_bytes)
+    }
+}
 
 /// Default most bytes in one chunk (the events of a chunk stop growing before they pass it).
 pub const CHUNK_MAX: usize = 1 << 20;

@@ -235,15 +235,6 @@ impl Table {
         self.generation += 1;
     }
 
-    /// The table's snapshot at its cut, in chunks of at most `chunk_bytes` (`None`: the cut is
-    /// below the chunk count). What a subscriber gets; here without the lock and metrics.
-    pub fn chunks(&self, chunk_bytes: usize) -> Option<super::Chunks> {
-        let mut img = Vec::new();
-        self.write_image(&mut img);
-        let parsed = super::image::Image::parse(&img).expect("an image written in this process");
-        super::serve::build(&parsed, crate::clock::unix_seconds(), None, chunk_bytes)
-    }
-
     /// The table's image (LAYOUT.md §2) appended to `out`: the copy taken under the lock.
     pub fn image(&self, out: &mut Vec<u8>) {
         self.write_image(out);

@@ -1,0 +1,22 @@
+//! A rank's sockets and settings: what the receive loop (`rank.rs`) and the replay client
+//! (`replay.rs`) share. Apart from both, so that each depends on it and neither on the other.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::RankEndpoint;
+use crate::metrics::RankMetrics;
+
+/// A rank's sockets and settings: what the receive loop and the replay client share.
+pub(super) struct RankIo {
+    pub(super) rank: RankEndpoint,
+    pub(super) ctx: zmq::Context,
+    pub(super) sub: zmq::Socket,
+    pub(super) topic: Vec<u8>,
+    pub(super) stop: Arc<AtomicBool>,
+    pub(super) replay_timeout: Duration,
+    /// `ZMQ_MAXMSGSIZE` for the SUB and the replay DEALER.
+    pub(super) max_message: i64,
+    pub(super) m: RankMetrics,
+}
