@@ -468,8 +468,8 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
     .map(|s| s.to_string())
     .collect();
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
-    // Let the SUB connect before the first publish.
-    std::thread::sleep(Duration::from_millis(400));
+    // The SUB subscribed before the first publish (an earlier one would be lost to it).
+    e.wait_subscribed();
 
     // Filler: ~6.6 KB per batch, 260 batches ≈ 1.7 MB through a 1 MiB ring; chained stores in
     // every layout, so the retained window the Python side checks is varied throughout.
@@ -503,18 +503,15 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
     let rank0 = dir.path().join("ring-rank0");
     let deadline = std::time::Instant::now() + T;
     for ring in [&merged, &rank0] {
-        loop {
-            let newest = kvbridge_shm::RingReader::open(ring).map(|r| r.newest());
-            if matches!(newest, Ok(n) if n >= published) {
-                break;
+        let what = format!("{} reaches record {published}", ring.display());
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        common::eventually_async(&what, left, || async {
+            match kvbridge_shm::RingReader::open(ring).map(|r| r.newest()) {
+                Ok(n) if n >= published => Ok(()),
+                other => Err(other.map_err(|e| e.to_string())),
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{} never reached record {published}: {newest:?}",
-                ring.display()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
     }
 
     // The retained window, as tonic decodes it (vLLM path, S = 0 → from O).

@@ -210,14 +210,13 @@ async fn js_client(urls: &str) -> jetstream::Context {
 
 /// Waits until JetStream answers (a cluster has elected its meta leader).
 async fn wait_jetstream(js: &jetstream::Context) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match js.query_account().await {
-            Ok(_) => return,
-            Err(e) if Instant::now() > deadline => panic!("JetStream not ready: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
-    }
+    common::eventually_async("JetStream answers", Duration::from_secs(60), || async {
+        js.query_account()
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await
 }
 
 /// Publishes `n` small batches (rank 0), `chunk` at a time, waiting after each chunk until the
@@ -372,24 +371,24 @@ fn wait_caught_up(
     subject: &str,
     timeout: Duration,
 ) -> u64 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let n = ring_newest(shm);
-        let page = common::scrape(metrics);
-        let acked = common::metric(
-            &page,
-            "kvbridge_nats_acked_sequence",
-            &[("subject", subject)],
-        );
-        if n > 0 && acked as u64 == n {
-            return n;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "sink did not catch up: acked {acked}, ring newest {n}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::eventually(
+        "the sink acknowledged the ring's newest record",
+        timeout,
+        || {
+            let n = ring_newest(shm);
+            let page = common::scrape(metrics);
+            let acked = common::metric(
+                &page,
+                "kvbridge_nats_acked_sequence",
+                &[("subject", subject)],
+            );
+            if n > 0 && acked as u64 == n {
+                Ok(n)
+            } else {
+                Err(format!("acked {acked}, ring newest {n}"))
+            }
+        },
+    )
 }
 
 /// The stream holds exactly the ring's records `1..=n`, once each, in order, byte for byte.

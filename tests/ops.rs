@@ -32,10 +32,6 @@ fn engine_args(e: &Engine) -> Vec<String> {
     ]
 }
 
-fn settle() {
-    std::thread::sleep(Duration::from_millis(400));
-}
-
 fn req(start: u64) -> SubscribeKvEventsRequest {
     SubscribeKvEventsRequest {
         start_sequence_number: start,
@@ -72,7 +68,7 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
     let e = Engine::start(0);
     let (bridge, maddr) =
         Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
-    settle();
+    e.wait_subscribed();
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
     let page = scrape(maddr);
     assert_eq!(
@@ -221,18 +217,15 @@ async fn health_status(url: &str) -> i32 {
 }
 
 async fn wait_health(url: &str, want: tonic_health::ServingStatus) {
-    let deadline = tokio::time::Instant::now() + T;
-    loop {
+    common::eventually_async(&format!("health is {want:?}"), T, || async {
         let st = health_status(url).await;
         if st == want as i32 {
-            return;
+            Ok(())
+        } else {
+            Err(st)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "health stuck at {st}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -387,7 +380,7 @@ async fn tls_and_bearer_token_accept_and_reject() {
         args.extend([s(f), p.display().to_string()]);
     }
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    settle();
+    e.wait_subscribed();
     let url = format!("https://localhost:{}", bridge.grpc.port());
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&cert_pem))
@@ -554,7 +547,7 @@ async fn an_oversized_engine_batch_arrives_split_under_4mib_and_reassembles() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &engine_args(&e));
-    settle();
+    e.wait_subscribed();
     // A client with the default 4 MiB decode limit, as G1 gateways have.
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
     const BLOCKS: usize = 20_000;
@@ -648,7 +641,7 @@ async fn fuzzed_zmq_frames_are_counted_and_a_valid_stream_survives() {
     let e = Engine::start(0);
     let (bridge, maddr) =
         Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
-    settle();
+    e.wait_subscribed();
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
     const TOTAL: usize = 100_000;
     const CHUNK: usize = 5_000;
@@ -803,7 +796,7 @@ async fn frequent_client_keepalive_pings_are_tolerated() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &engine_args(&e));
-    settle();
+    e.wait_subscribed();
     let ch = tonic::transport::Endpoint::from_shared(bridge.url())
         .unwrap()
         .http2_keep_alive_interval(Duration::from_millis(100))
@@ -982,7 +975,7 @@ async fn a_corrupt_record_in_the_ring_is_data_loss_not_served() {
     args.extend([s("--ring-size"), s("1MiB")]);
     let ring = dir.path().join("ring");
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &ring, &args);
-    settle();
+    e.wait_subscribed();
     // 100 batches of ~6.6 KB: all retained by the 1 MiB ring, but record 10 is long gone from
     // the recent cache (a quarter of the ring), so a resume at 5 reads it from the ring.
     publish_stores(&e, 1, 100, 100);
@@ -1329,7 +1322,7 @@ async fn descriptor_exhaustion_backs_off_counts_and_recovers() {
         &args,
         Some(NOFILE),
     );
-    settle();
+    e.wait_subscribed();
     // Idle connections until the bridge holds every descriptor it may have, then more that
     // wait in the backlog (accept fails on each of them while the table is full).
     let mut conns = Vec::new();
@@ -1408,7 +1401,7 @@ async fn a_repeated_engine_seq_is_dropped_and_an_empty_payload_does_not_move_las
     let (ep, rp) = (e.endpoint.clone(), e.replay.clone());
     let (bridge, maddr) =
         Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
-    settle();
+    e.wait_subscribed();
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
     let batch = |seed: u64| {
         let ev = store(seed, 2, None);
@@ -1541,7 +1534,7 @@ async fn connections_that_never_finish_the_http2_handshake_are_closed() {
     let mut args = engine_args(&e);
     args.extend([s("--handshake-timeout-ms"), HANDSHAKE_MS.to_string()]);
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    settle();
+    e.wait_subscribed();
     // A subscriber that completed its handshake, idle past the timeout.
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
     let limit = Duration::from_millis(HANDSHAKE_MS) + MARGIN;
@@ -1632,7 +1625,7 @@ async fn an_engine_message_above_the_limit_is_refused_and_the_stream_goes_on() {
         s("300"),
     ]);
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    settle();
+    e.wait_subscribed();
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
     let first = publish_stores(&e, 500, 1, 2);
     let got = collect_until(&mut sub, T, |b| stored_hashes(b).len() >= first.len()).await;
@@ -1728,7 +1721,7 @@ async fn memory_per_stream_on_one_connection() {
         streams_wanted.to_string(),
     ]);
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    settle();
+    e.wait_subscribed();
     let batches = workload_batches(7, batches_wanted);
     let n = batches.len();
     for (i, b) in batches.into_iter().enumerate() {

@@ -21,7 +21,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use kvbridge::bench::RawCodec;
@@ -173,22 +173,15 @@ fn publish_until(e: &Engine, ring: &Path, from: u64, to: u64, blocks: usize) {
     for i in from..to {
         e.publish(LAYOUTS[i as usize % 3], vec![store(i + 1, blocks, None)], 0);
     }
-    let deadline = Instant::now() + T;
-    loop {
-        if let Ok(r) = RingReader::open(ring) {
-            if r.newest() >= to {
-                assert_eq!(r.newest(), to, "more records than batches published");
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "ring did not reach {to}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Lets the SUB connect before the first publish.
-fn settle() {
-    std::thread::sleep(Duration::from_millis(400));
+    let newest = common::eventually(
+        &format!("the ring reaches {to}"),
+        T,
+        || match RingReader::open(ring).map(|r| r.newest()) {
+            Ok(n) if n >= to => Ok(n),
+            other => Err(other.map_err(|e| e.to_string())),
+        },
+    );
+    assert_eq!(newest, to, "more records than batches published");
 }
 
 fn s(x: impl ToString) -> String {
@@ -203,7 +196,7 @@ async fn python_reader_equals_grpc_bytes_resumes_from_the_middle_and_maps_read_o
     let ring = dirp.join("ring");
     let e = Engine::start(0);
     let bridge = Bridge::start(&dirp, &ring, &rank_args(&e));
-    settle();
+    e.wait_subscribed();
     let n = 30u64;
     publish_until(&e, &ring, 0, n, 3);
     let want = grpc_raw(&bridge.url(), 0, n as usize).await;
@@ -291,7 +284,7 @@ async fn python_reader_lapped_by_the_writer_gets_lapped_with_the_resume_point() 
     let mut args = rank_args(&e);
     args.extend([s("--ring-size"), s("1MiB")]);
     let bridge = Bridge::start(dir.path(), &ring, &args);
-    settle();
+    e.wait_subscribed();
     publish_until(&e, &ring, 0, 5, 2);
     let mut p = PyReader::spawn(&py, &[s("lap"), s("--ring"), s(ring.display())]);
     let ready = p.expect("ready");
@@ -337,7 +330,7 @@ async fn python_reader_sees_writer_gone_on_sigkill_and_continues_at_n_plus_1_aft
     let ring = dir.path().join("ring");
     let e = Engine::start(0);
     let mut bridge = Bridge::start(dir.path(), &ring, &rank_args(&e));
-    settle();
+    e.wait_subscribed();
     let n = 12u64;
     publish_until(&e, &ring, 0, n, 2);
     let more = 8u64;
@@ -368,9 +361,10 @@ async fn python_reader_sees_writer_gone_on_sigkill_and_continues_at_n_plus_1_aft
     assert_eq!(gone["resume_at"], n + 1, "WriterGone carries the position");
     assert_eq!(gone["alive"], false);
     let (grpc, args) = (bridge.grpc, bridge.args.clone());
+    let seen = e.subscriptions();
     drop(bridge);
     let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
-    settle();
+    e.wait_subscribed_after(seen);
     publish_until(&e, &ring, n, n + more, 2);
     let want = grpc_raw(&bridge.url(), n, more as usize).await;
     for seq in n + 1..=n + more {

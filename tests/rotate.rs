@@ -74,11 +74,17 @@ async fn eventually<F: std::future::Future<Output = bool>>(
     what: &str,
     mut cond: impl FnMut() -> F,
 ) {
-    let deadline = Instant::now() + T;
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::eventually_async(what, T, || {
+        let c = cond();
+        async move {
+            if c.await {
+                Ok(())
+            } else {
+                Err(())
+            }
+        }
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,12 +26,6 @@ fn rank_args(engines: &[&Engine]) -> Vec<String> {
     a
 }
 
-fn settle() {
-    // Let the SUB connect before the first publish (a lost first batch would still be
-    // recovered by replay, but only once a later batch reveals the gap).
-    std::thread::sleep(Duration::from_millis(400));
-}
-
 async fn subscribe_on(url: &str, path: usize, start: u64) -> tonic::Streaming<KvEventBatch> {
     use kvbridge::proto::*;
     let ch = tonic::transport::Endpoint::from_shared(url.to_string())
@@ -73,7 +67,8 @@ async fn every_batch_in_order_to_every_subscriber_across_ranks_and_layouts() {
         &dir.path().join("ring"),
         &rank_args(&[&e0, &e1]),
     );
-    settle();
+    e0.wait_subscribed();
+    e1.wait_subscribed();
     let mut subs = Vec::new();
     for p in 0..4 {
         subs.push(subscribe_on(&bridge.url(), p, 0).await);
@@ -154,7 +149,7 @@ async fn resume_inside_window_and_out_of_range_outside() {
     // only without snapshots (tests/snapshot.rs covers those).
     args.extend(["--snapshot".into(), "off".into()]);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
-    settle();
+    e.wait_subscribed();
     // ~6.6 KB per batch: 300 batches wrap a 1 MiB ring about twice.
     let n = 300u64;
     let mut last_hash = 0;
@@ -235,7 +230,7 @@ async fn a_subscriber_that_stops_reading_gets_data_loss_and_never_stalls_others(
     let mut args = rank_args(&[&e]);
     args.extend(["--ring-size".into(), "2MiB".into()]);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
-    settle();
+    e.wait_subscribed();
     e.publish(Layout::Vllm022, vec![store(1, 1, None)], 0);
     let mut stalled = subscribe(&bridge.url(), 0).await.unwrap();
     let first = collect_until(&mut stalled, T, |b| !b.is_empty()).await;
@@ -290,7 +285,7 @@ async fn gap_is_filled_by_replay_and_engine_restart_is_signalled() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &rank_args(&[&e]));
-    settle();
+    e.wait_subscribed();
     let mut s = subscribe(&bridge.url(), 0).await.unwrap();
     let (a, b, c) = (store(1, 2, None), store(2, 2, None), store(3, 2, None));
     let (ha, hb, hc) = (hashes_of(&a), hashes_of(&b), hashes_of(&c));
@@ -334,7 +329,7 @@ async fn bridge_restart_continues_the_sequence_and_catches_up_from_replay() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &rank_args(&[&e]));
-    settle();
+    e.wait_subscribed();
     let a = store(1, 3, None);
     let ha = hashes_of(&a);
     e.publish(Layout::Vllm022Bin, vec![a], 0);
@@ -391,7 +386,7 @@ async fn tail_reads_the_ring_from_another_process_while_serving() {
     let e = Engine::start(0);
     let ring = dir.path().join("ring");
     let bridge = Bridge::start(dir.path(), &ring, &rank_args(&[&e]));
-    settle();
+    e.wait_subscribed();
     for i in 0..5 {
         e.publish(layout(i), vec![store(i as u64 + 1, 2, None)], 0);
     }
@@ -490,7 +485,7 @@ async fn a_bridge_killed_with_sigkill_restarts_on_its_ring_and_loses_nothing() {
     let e = Engine::start(0);
     let ring = dir.path().join("ring");
     let mut bridge = Bridge::start(dir.path(), &ring, &rank_args(&[&e]));
-    settle();
+    e.wait_subscribed();
     let mut all = Vec::new();
     for i in 0..20u64 {
         let ev = store(i + 1, 2, None);

@@ -24,6 +24,8 @@ pub struct EnginePublisher {
     seq: u64,
     buffer: VecDeque<(u64, Vec<u8>)>,
     buffer_steps: usize,
+    /// Subscribe messages the publisher has received so far (see [`subscriptions`](Self::subscriptions)).
+    subscriptions: u64,
     /// Reply with the 4-frame form (vLLM ≥ 0.26, SGLang ≥ 0.5.22) instead of the 3-frame one.
     pub new_reply_form: bool,
 }
@@ -46,7 +48,11 @@ impl EnginePublisher {
         replay: Option<&str>,
         topic: &str,
     ) -> Result<Self, zmq::Error> {
-        let publisher = ctx.socket(zmq::PUB)?;
+        // An XPUB publishes exactly as the engines' PUB does, and also hands over each
+        // subscriber's subscription (verbose: every one, not only the first per topic), so a test
+        // can wait until a subscriber is really subscribed instead of sleeping and hoping.
+        let publisher = ctx.socket(zmq::XPUB)?;
+        publisher.set_xpub_verbose(true)?;
         publisher.set_sndhwm(100_000)?;
         publisher.set_linger(0)?;
         publisher.bind(endpoint)?;
@@ -67,8 +73,21 @@ impl EnginePublisher {
             seq: 0,
             buffer: VecDeque::new(),
             buffer_steps: 10_000,
+            subscriptions: 0,
             new_reply_form: true,
         })
+    }
+
+    /// How many subscriptions have reached the publisher so far (each subscriber's, again after
+    /// each reconnect). A message published before a subscriber's subscription arrived is not
+    /// delivered to it (ZMQ's "slow joiner"), so this is what to wait for before publishing.
+    pub fn subscriptions(&mut self) -> u64 {
+        while let Ok(m) = self.publisher.recv_bytes(zmq::DONTWAIT) {
+            if m.first() == Some(&1) {
+                self.subscriptions += 1;
+            }
+        }
+        self.subscriptions
     }
 
     /// The actual endpoint the PUB bound (resolves port 0).

@@ -21,6 +21,51 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// How often the waits below look again: often enough not to add latency a test would notice,
+/// rarely enough to cost nothing beside the processes under test.
+const POLL: Duration = Duration::from_millis(10);
+
+/// Waits for a state: calls `check` until it returns `Some` and returns that, or panics after
+/// `timeout` with `what` and the last `Err` it gave. Every wait of the harness is one of these
+/// (or [`eventually_async`]); none sleeps for a fixed time hoping the state has come.
+pub fn eventually<T, E: std::fmt::Debug>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> Result<T, E>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match check() {
+            Ok(v) => return v,
+            Err(e) if Instant::now() > deadline => {
+                panic!("timed out after {timeout:?} waiting until {what}: {e:?}")
+            }
+            Err(_) => std::thread::sleep(POLL),
+        }
+    }
+}
+
+/// [`eventually`] for a check that is a future (it yields to the runtime between looks).
+pub async fn eventually_async<T, E: std::fmt::Debug, F>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> F,
+) -> T
+where
+    F: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                panic!("timed out after {timeout:?} waiting until {what}: {e:?}")
+            }
+            Err(_) => tokio::time::sleep(POLL).await,
+        }
+    }
+}
+
 type Job = Box<dyn FnOnce(&mut EnginePublisher) + Send>;
 
 /// A simulated engine rank (PUB + replay ROUTER) running on its own thread, like the engine's
@@ -49,6 +94,31 @@ impl Engine {
             .send(Box::new(move |p| tx.send(f(p)).unwrap()))
             .unwrap();
         rx.recv().unwrap()
+    }
+
+    /// Waits until more than `seen` subscriptions have reached this engine (0: until a first
+    /// subscriber is subscribed), and returns how many have: publishing before that loses the
+    /// batch for a subscriber whose subscription is still on its way.
+    pub fn wait_subscribed_after(&self, seen: u64) -> u64 {
+        let what = format!("a subscriber subscribed to {}", self.endpoint);
+        eventually(&what, Duration::from_secs(30), || {
+            let n = self.subscriptions();
+            if n > seen {
+                Ok(n)
+            } else {
+                Err(n)
+            }
+        })
+    }
+
+    /// How many subscriptions have reached this engine so far.
+    pub fn subscriptions(&self) -> u64 {
+        self.with(|p| p.subscriptions())
+    }
+
+    /// Waits until a first subscriber is subscribed to this engine.
+    pub fn wait_subscribed(&self) {
+        self.wait_subscribed_after(0);
     }
 
     /// Publishes one batch of `events` in `layout`; returns its engine seq.
@@ -506,17 +576,14 @@ pub fn metric(page: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 
 /// Polls `/metrics` until `pred` holds (or panics after `timeout` with the page).
 pub fn wait_metrics(addr: SocketAddr, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
+    eventually("the metrics condition holds", timeout, || {
         let page = scrape(addr);
         if pred(&page) {
-            return page;
+            Ok(page)
+        } else {
+            Err(page)
         }
-        if Instant::now() > deadline {
-            panic!("metrics condition not met within {timeout:?}; page:\n{page}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    })
 }
 
 /// The repository root (the root crate's manifest directory).
