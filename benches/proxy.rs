@@ -31,17 +31,14 @@
 //! - **CPU per forwarded message**: each process's CPU time over its throughput runs divided by
 //!   the messages it forwarded.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(unreachable_pub, missing_docs)]
+#[path = "../tests/it/common/mod.rs"]
+#[allow(unreachable_pub, missing_docs, dead_code)]
 mod common;
-#[path = "../tests/common/grpc_engine.rs"]
-#[allow(unreachable_pub, missing_docs)]
-mod grpc_engine;
 
 use std::time::Instant;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use grpc_engine::{path, raw_client, unix_nanos, GrpcEngine, Raw};
+use common::grpc_engine::{path, raw_client, unix_nanos, GrpcEngine, Raw};
 use tonic::transport::Channel;
 use tonic::Request;
 

@@ -72,7 +72,7 @@ echo "== shm crate, debug profile: cargo test -p kvbridge-shm"
 cargo test -p kvbridge-shm
 
 # The decoder's fuzz target must keep building (running it needs a nightly toolchain and
-# cargo-fuzz; the corpus it found is replayed by tests/decode_fuzz_corpus.rs). Not --locked:
+# cargo-fuzz; the corpus it found is replayed by tests/it/decode_fuzz_corpus.rs). Not --locked:
 # fuzz/Cargo.lock keeps its pins, and only what the main crate added since is resolved.
 echo "== fuzz target: cargo check --manifest-path fuzz/Cargo.toml"
 cargo check --manifest-path fuzz/Cargo.toml

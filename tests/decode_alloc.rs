@@ -36,6 +36,7 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static A: Counting = Counting;
 
+#[path = "it/vectors/mod.rs"]
 mod vectors;
 use vectors::{unhex, VECTORS};
 

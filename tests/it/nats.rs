@@ -19,7 +19,7 @@
 //! kernel (bind port 0, release) and the whole cluster is started again on fresh ones if a node
 //! cannot bind (another process took a port in between).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -14,7 +14,7 @@
 //!   timeout) while the writer is still dead, is woken by the restarted writer on the same ring
 //!   and continues at N + 1 without a gap.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};

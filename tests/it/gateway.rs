@@ -22,7 +22,7 @@
 //!
 //! FAILS (never skips) when the wheel cannot be installed.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -2,7 +2,7 @@
 //! `--kv-events-config` as the only engine input, and logs fit for files, pipes and terminals.
 //! The real binary throughout, its stderr read through a pipe (or a pseudo-terminal).
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;

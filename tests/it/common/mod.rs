@@ -1,6 +1,7 @@
 //! Shared test harness: a simulated engine on its own thread, the real `kvbridge` binary as a
 //! child process, and gRPC subscribers.
-#![allow(dead_code)]
+
+pub mod grpc_engine;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -12,7 +12,7 @@
 //! These tests FAIL (never skip) when Python or pip is unusable: CI always has them, and a skip
 //! would silently drop the only check against SMG's own code.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -4,7 +4,7 @@
 //! and is canonical.
 use kvbridge::decode::{fuzz_entry, DecodeConfig, Decoder};
 
-mod vectors;
+use crate::vectors;
 use vectors::{unhex, VECTORS};
 
 fn vectors() -> Vec<Vec<u8>> {

@@ -6,7 +6,7 @@
 //! way smg 1.13's `KvEventMonitor` does (`src/worker/kv_event_monitor/apply.rs`: copies per
 //! tier, parent-less stores re-rooted, clears), and must end up holding the same blocks.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};

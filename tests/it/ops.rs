@@ -2,7 +2,7 @@
 //! hardened ZMQ edge and the ring file's mode. The real binary, simulated engines over real ZMQ,
 //! tonic clients.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;

@@ -2,9 +2,8 @@
 //! engine gRPC server (`common/grpc_engine.rs`), checked for forwarding fidelity (docs/smg-api.md
 //! §2 "Proxy mode"), failure handling, health and load records (§3.5).
 
-mod common;
-#[path = "common/grpc_engine.rs"]
-mod grpc_engine;
+use crate::common;
+use crate::common::grpc_engine;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

@@ -1,7 +1,7 @@
 //! End-to-end tests of `kvbridge serve`: the real binary, simulated engines over real ZMQ, and
 //! gRPC subscribers (tonic and the `subscribe` CLI).
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! write carries many), instead of one frame per record. Seen with a raw HTTP/2 client, which
 //! receives DATA frames one by one.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //! connections get the new certificate and must send the new token, and a broken file is
 //! logged and ignored (the secrets in use are kept). The real binary, over real TLS.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -10,9 +10,8 @@
 //! The rules' own behaviour (each alert firing and staying quiet) is unit-tested by
 //! `promtool test rules` (scripts/test.sh).
 
-mod common;
-#[path = "common/grpc_engine.rs"]
-mod grpc_engine;
+use crate::common;
+use crate::common::grpc_engine;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

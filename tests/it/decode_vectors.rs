@@ -8,7 +8,7 @@ use kvbridge::proto::common::{
 use prost::Message;
 use serde_json::Value;
 
-mod vectors;
+use crate::vectors;
 use vectors::{unhex, VECTORS};
 
 /// Plans + writes every record; checks canonical bytes; returns the decoded batches.

