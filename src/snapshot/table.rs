@@ -185,20 +185,29 @@ impl<'a> Entry<'a> {
     }
 }
 
-/// The held blocks' bytes, back to back, each behind its length (a varint): one allocation
-/// instead of one per block (which cost 16–24 bytes of allocator overhead each). A removed
+/// The held blocks' bytes, back to back in pages of [`PAGE`] bytes, each behind its length (a
+/// varint): a few large allocations instead of one per block (which cost 16–24 bytes of
+/// allocator overhead each), and pages rather than one growing buffer (whose doubling leaves
+/// the allocator holding the smaller copies: measured +56 B per block of RSS). A removed
 /// block's bytes become a hole that the next block of exactly that length takes (block lengths
 /// of one engine vary over a few values: tokens are varints); when holes are more than half
 /// of the arena anyway (lengths drifted), it is compacted.
 #[derive(Debug, Default)]
 struct Arena {
-    bytes: Vec<u8>,
+    pages: Vec<Vec<u8>>,
+    /// Σ page lengths.
+    used: usize,
     /// Holes by their length (prefix included).
     holes: FastMap<u32, Vec<u64>>,
     /// Σ hole lengths, and their number.
     hole_bytes: usize,
     hole_count: usize,
 }
+
+/// Bits of an arena offset within its page; a block never straddles two pages (one longer than
+/// a page gets a page of its own).
+const PAGE_BITS: u32 = 20;
+const PAGE: usize = 1 << PAGE_BITS;
 
 /// Arena holes below this never trigger a compaction (small in unit tests, so that the property
 /// test compacts).
@@ -208,30 +217,33 @@ impl Arena {
     /// Stores `block`; its offset.
     fn put(&mut self, block: &[u8]) -> u64 {
         let need = prost::encoding::encoded_len_varint(block.len() as u64) + block.len();
-        let reuse = self.holes.get_mut(&(need as u32)).and_then(|v| v.pop());
-        let off = match reuse {
-            Some(off) => {
-                self.hole_bytes -= need;
-                self.hole_count -= 1;
-                let mut at = &mut self.bytes[off as usize..off as usize + need];
-                prost::encoding::encode_varint(block.len() as u64, &mut at);
-                at.copy_from_slice(block);
-                off
-            }
-            None => {
-                let off = self.bytes.len() as u64;
-                prost::encoding::encode_varint(block.len() as u64, &mut self.bytes);
-                self.bytes.extend_from_slice(block);
-                off
-            }
-        };
+        if let Some(off) = self.holes.get_mut(&(need as u32)).and_then(|v| v.pop()) {
+            self.hole_bytes -= need;
+            self.hole_count -= 1;
+            let (p, o) = split(off);
+            let mut at = &mut self.pages[p][o..o + need];
+            prost::encoding::encode_varint(block.len() as u64, &mut at);
+            at.copy_from_slice(block);
+            return off;
+        }
+        let room = self.pages.last().map_or(0, |p| p.capacity() - p.len());
+        if room < need {
+            self.pages.push(Vec::with_capacity(need.max(PAGE)));
+        }
+        let p = self.pages.len() - 1;
+        let page = &mut self.pages[p];
+        let off = ((p as u64) << PAGE_BITS) | page.len() as u64;
+        prost::encoding::encode_varint(block.len() as u64, page);
+        page.extend_from_slice(block);
+        self.used += need;
         assert!(off < 1 << 40, "snapshot table arena over 1 TiB");
         off
     }
 
     /// The block stored at `off`, and the bytes it takes (prefix included).
     fn get(&self, off: u64) -> (&[u8], usize) {
-        let mut b = &self.bytes[off as usize..];
+        let (p, o) = split(off);
+        let mut b = &self.pages[p][o..];
         let len = prost::encoding::decode_varint(&mut b).expect("an arena length") as usize;
         let prefix = prost::encoding::encoded_len_varint(len as u64);
         (&b[..len], prefix + len)
@@ -247,12 +259,17 @@ impl Arena {
 
     /// Bytes held: the blocks, the holes and the hole lists.
     fn bytes(&self) -> usize {
-        self.bytes.len() + self.hole_count * 8 + self.holes.len() * 48
+        self.used + self.hole_count * 8 + self.holes.len() * 48
     }
 
     fn wants_compaction(&self) -> bool {
-        self.hole_bytes > COMPACT_MIN && self.hole_bytes * 2 > self.bytes.len()
+        self.hole_bytes > COMPACT_MIN && self.hole_bytes * 2 > self.used
     }
+}
+
+/// Page and offset within it of an arena offset.
+fn split(off: u64) -> (usize, usize) {
+    ((off >> PAGE_BITS) as usize, (off as usize) & (PAGE - 1))
 }
 
 /// An interned attribute set (`KvBlocksStored` fields 3–12, encoded) and how many entries use it.
@@ -557,7 +574,6 @@ impl Table {
     /// Copies every held block into a new arena without holes.
     fn compact(&mut self) {
         let old = std::mem::take(&mut self.arena);
-        self.arena.bytes.reserve(old.bytes.len() - old.hole_bytes);
         for s in self.blocks.values_mut() {
             let off = self.arena.put(old.get(s.off()).0);
             s.set_off(off);
@@ -805,15 +821,24 @@ mod tests {
     fn holes_of_one_length_are_reused_and_drifting_lengths_compact() {
         let mut a = Arena::default();
         let offs: Vec<u64> = (0..1000u32).map(|i| a.put(&i.to_le_bytes())).collect();
-        let len = a.bytes.len();
+        let len = a.used;
         for &o in &offs[..500] {
             a.free(o);
         }
         for i in 0..500u32 {
             a.put(&(i + 7).to_le_bytes());
         }
-        assert_eq!(a.bytes.len(), len, "same-length blocks fill the holes");
+        assert_eq!(a.used, len, "same-length blocks fill the holes");
         assert_eq!((a.hole_bytes, a.hole_count), (0, 0));
+        let big = vec![3u8; 3 * PAGE];
+        let off = a.put(&big);
+        assert_eq!(
+            a.get(off).0,
+            &big[..],
+            "a block longer than a page has a page of its own"
+        );
+        let next = a.put(b"next");
+        assert_eq!(a.get(next).0, b"next");
         let mut t = Table::new(usize::MAX, 1);
         let store = |t: &mut Table, h: i64, n: usize| {
             let ev = Ev {
@@ -828,12 +853,12 @@ mod tests {
         for h in 0..2000 {
             store(&mut t, h, 1000);
         }
-        let full = t.arena.bytes.len();
+        let full = t.arena.used;
         apply(&mut t, &Op::Remove((0..1500).collect(), None), 3000);
         assert!(
-            t.arena.bytes.len() < full / 2,
+            t.arena.used < full / 2,
             "compacted: {} of {full}",
-            t.arena.bytes.len()
+            t.arena.used
         );
         for h in 1500..2000 {
             assert_eq!(
