@@ -73,6 +73,10 @@ pub struct BridgeInfo {
     pub table_blocks: Option<u64>,
     /// (RSS − RSS of `off`) ÷ blocks.
     pub bytes_per_block: Option<f64>,
+    /// What the table says it holds (`kvbridge_snapshot_table_bytes`) ÷ blocks: slots at the
+    /// map's load, block bytes, attribute sets; not the allocator's own overhead or what it
+    /// keeps of freed memory (the RSS figure has both, and the latter varies run to run).
+    pub table_bytes_per_block: Option<f64>,
     /// Checkpoints it wrote during the fill and until the churn starts.
     pub fill_checkpoints: f64,
 }
@@ -92,6 +96,8 @@ pub struct PhaseBridge {
     pub checkpoints: f64,
     /// Checkpoint bytes written in the window.
     pub checkpoint_bytes: f64,
+    /// Mean time a checkpoint took (image copy, write, rename), in ms.
+    pub checkpoint_ms: Option<f64>,
 }
 
 /// One churn phase.
@@ -495,6 +501,8 @@ pub fn run(cfg: &Config, log: &mut dyn FnMut(&str)) -> Result<Report, String> {
             table_blocks: has_table.then_some(table as u64),
             bytes_per_block: (has_table && table > 0.0)
                 .then(|| (rss as f64 - off_rss as f64) * 1024.0 / table),
+            table_bytes_per_block: (has_table && table > 0.0)
+                .then(|| metric_sum(&page, "kvbridge_snapshot_table_bytes") / table),
             fill_checkpoints: metric_sum(&page, "kvbridge_snapshot_checkpoints_total"),
         });
     }
@@ -512,12 +520,13 @@ pub fn run(cfg: &Config, log: &mut dyn FnMut(&str)) -> Result<Report, String> {
         ));
         load.set(kind, rate);
         std::thread::sleep(Duration::from_secs(2));
-        let sample = |b: &Bridge| -> Result<(f64, f64, f64), String> {
+        let sample = |b: &Bridge| -> Result<(f64, f64, f64, f64), String> {
             let page = scrape_page(b.metrics)?;
             Ok((
                 b.cpu()?,
                 metric_sum(&page, "kvbridge_snapshot_checkpoints_total"),
                 metric_sum(&page, "kvbridge_snapshot_checkpoint_bytes_total"),
+                metric_sum(&page, "kvbridge_snapshot_checkpoint_seconds_sum"),
             ))
         };
         let before: Vec<_> = bridges.iter().map(sample).collect::<Result<_, _>>()?;
@@ -536,6 +545,7 @@ pub fn run(cfg: &Config, log: &mut dyn FnMut(&str)) -> Result<Report, String> {
                 above_off_percent: 100.0 * (y.0 - x.0 - off_cpu) / secs,
                 checkpoints: y.1 - x.1,
                 checkpoint_bytes: y.2 - x.2,
+                checkpoint_ms: (y.1 > x.1).then(|| 1e3 * (y.3 - x.3) / (y.1 - x.1)),
             })
             .collect();
         phases.push(Phase {
@@ -668,28 +678,31 @@ pub fn table(r: &Report) -> String {
         r.cores,
         r.loadavg
     );
-    s += "bridge      RSS MiB  table blocks  B/block (RSS − off)  fill checkpoints\n";
+    s += "bridge      RSS MiB  table blocks  B/block (RSS − off)  B/block (table)  fill checkpoints\n";
+    let per = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     for b in &r.bridges {
         s += &format!(
-            "{:<10} {:>8.1} {:>13} {:>20} {:>17}\n",
+            "{:<10} {:>8.1} {:>13} {:>20} {:>16} {:>17}\n",
             b.name,
             b.rss_kib as f64 / 1024.0,
             b.table_blocks.map_or("-".into(), |n| n.to_string()),
-            b.bytes_per_block.map_or("-".into(), |v| format!("{v:.1}")),
+            per(b.bytes_per_block),
+            per(b.table_bytes_per_block),
             b.fill_checkpoints
         );
     }
     for p in &r.phases {
         s += &format!("{} at {}/s for {:.0} s\n", p.name, p.rate, p.seconds);
-        s += "bridge      CPU % of a core  above off  checkpoints  checkpoint MB\n";
+        s += "bridge      CPU % of a core  above off  checkpoints  checkpoint MB  ms each\n";
         for b in &p.bridges {
             s += &format!(
-                "{:<10} {:>16.2} {:>10.2} {:>12} {:>14.1}\n",
+                "{:<10} {:>16.2} {:>10.2} {:>12} {:>14.1} {:>8}\n",
                 b.name,
                 b.cpu_percent,
                 b.above_off_percent,
                 b.checkpoints,
-                b.checkpoint_bytes / 1e6
+                b.checkpoint_bytes / 1e6,
+                b.checkpoint_ms.map_or("-".into(), |v| format!("{v:.0}"))
             );
         }
     }
