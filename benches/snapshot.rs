@@ -14,7 +14,8 @@
 //!   the image copy (the only part done under the table lock, so the longest ingest can wait
 //!   for a snapshot) and the whole build (image, parents-first order, 1 MiB chunks: every chunk
 //!   is built before the first is sent, so this is the time to the first chunk). Bytes per block
-//!   are printed once.
+//!   are printed once: what the table counts (`Table::bytes`) and the process's RSS growth
+//!   while it is built (the same payloads held before and after).
 //!
 //! * printed once: the longest a `RingHub::publish` (ingest) waits while snapshots of those
 //!   1,000,000 blocks are taken back to back on another thread, against the longest in the same
@@ -160,10 +161,10 @@ fn big_payloads() -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn big_table() -> Table {
+fn table_of(ps: &[Vec<u8>]) -> Table {
     let mut dec = Decoder::new(DecodeConfig::default());
     let mut t = Table::new(usize::MAX, 1);
-    for (seq, p) in big_payloads().iter().enumerate() {
+    for (seq, p) in ps.iter().enumerate() {
         let plan = dec.plan(p).expect("valid");
         t.apply(&dec.planned(&plan, p), &[], 0, seq as u64 + 1);
     }
@@ -259,14 +260,22 @@ fn ingest_during_snapshots() {
 
 fn bench_snapshot(c: &mut Criterion) {
     ingest_during_snapshots();
-    let t = big_table();
+    // the payloads exist before and after: the RSS difference is the table's (with the
+    // allocator's overhead, which `Table::bytes` leaves out)
+    let ps = big_payloads();
+    let rss = || kvbridge::bench::proc_stats::status_kib(std::process::id(), "VmRSS").unwrap_or(0);
+    let rss0 = rss();
+    let t = table_of(&ps);
+    let rss1 = rss();
+    drop(ps);
     let mut img = Vec::new();
     t.image(&mut img);
     let chunks = t.chunks(CHUNK_MAX).expect("cut above the chunk count");
     println!(
-        "snapshot_1m: {} blocks, table {:.1} B/block, image {:.1} B/block, {} chunks of ≤ {} B ({:.1} MB)",
+        "snapshot_1m: {} blocks, table {:.1} B/block (RSS {:.1} B/block), image {:.1} B/block, {} chunks of ≤ {} B ({:.1} MB)",
         t.len(),
         t.bytes() as f64 / t.len() as f64,
+        (rss1 - rss0) as f64 * 1024.0 / t.len() as f64,
         img.len() as f64 / t.len() as f64,
         chunks.chunks.len(),
         CHUNK_MAX,

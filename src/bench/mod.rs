@@ -11,6 +11,7 @@
 //! delivered, lost (sequence holes) and duplicate batches. The bridge's CPU time and peak RSS
 //! come from `/proc/<pid>` of the `serve` process.
 
+pub mod checkpoints;
 pub mod floor;
 pub mod nats;
 pub mod proc_stats;

@@ -430,3 +430,65 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     }
     Ok(())
 }
+
+/// `kvbridge bench-checkpoints` flags.
+#[derive(clap::Args, Debug)]
+pub(super) struct BenchCheckpointsArgs {
+    /// Blocks held before the churn.
+    #[arg(long, default_value_t = 1_000_000)]
+    blocks: usize,
+    /// Blocks per store of the fill.
+    #[arg(long = "store-blocks", default_value_t = 400)]
+    store_blocks: usize,
+    /// Seconds each churn phase is measured (span a few --checkpoint-interval: 1 min).
+    #[arg(long, default_value_t = 180)]
+    window: u64,
+    /// Batches per second of the serving churn.
+    #[arg(long = "churn-rate", default_value_t = 20)]
+    churn_rate: u64,
+    /// `--ring-size` of every bridge.
+    #[arg(long = "ring-size", default_value = "64MiB")]
+    ring_size: String,
+    /// Late joiners per bridge with a table.
+    #[arg(long = "late-joins", default_value_t = 5)]
+    late_joins: usize,
+    /// Another kvbridge binary (e.g. the previous release), run with its defaults beside this one's.
+    #[arg(long = "baseline-exe", value_name = "PATH")]
+    baseline_exe: Option<PathBuf>,
+    /// Write the result as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+pub(super) fn run_checkpoints(a: BenchCheckpointsArgs) -> Result<(), CliError> {
+    if a.blocks == 0 || a.store_blocks == 0 || a.window == 0 || a.churn_rate == 0 {
+        return Err(CliError::Setup(
+            "--blocks, --store-blocks, --window and --churn-rate must be > 0".into(),
+        ));
+    }
+    if let Some(b) = a.baseline_exe.as_ref().filter(|b| !b.is_file()) {
+        return Err(CliError::Setup(format!(
+            "--baseline-exe {}: no such file",
+            b.display()
+        )));
+    }
+    let cfg = bench::checkpoints::Config {
+        exe: std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?,
+        baseline: a.baseline_exe,
+        blocks: a.blocks,
+        store_blocks: a.store_blocks,
+        window: Duration::from_secs(a.window),
+        churn_rate: a.churn_rate,
+        ring_size: a.ring_size,
+        late_joins: a.late_joins,
+    };
+    let r = bench::checkpoints::run(&cfg, &mut |l| eprintln!("bench-checkpoints: {l}"))
+        .map_err(CliError::Failed)?;
+    print!("{}", bench::checkpoints::table(&r));
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&r).expect("serializable");
+        std::fs::write(path, text + "\n")
+            .map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
+    }
+    Ok(())
+}

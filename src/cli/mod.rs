@@ -37,6 +37,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Measure latency, loss, CPU and memory under an open-loop load.
     Bench(bench::BenchArgs),
+    /// What the snapshot table and its checkpoints cost a bridge holding many blocks: CPU and
+    /// memory of bridges with and without it, fed the same churn in one run.
+    BenchCheckpoints(bench::BenchCheckpointsArgs),
     /// One shared-memory reader process of `bench` (internal).
     #[command(hide = true)]
     BenchReader(bench::BenchReaderArgs),
@@ -83,6 +86,7 @@ pub fn main() -> i32 {
         Command::Tail(a) => tail::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::BenchCheckpoints(a) => bench::run_checkpoints(a),
         Command::BenchReader(a) => bench::run_reader(a),
         Command::BenchFloor(a) => bench::run_floor_sender(a),
         Command::BenchNatsFloor(a) => bench::run_nats_floor(a),

@@ -43,22 +43,22 @@ impl Table {
             put_u32(out, a.bytes.len() as u32);
             out.extend_from_slice(&a.bytes);
         }
-        put_u64(out, self.blocks.len() as u64);
-        for (&(hash, class), e) in &self.blocks {
+        put_u64(out, self.len() as u64);
+        for (hash, class, e) in self.entries() {
             put_u64(out, hash as u64);
             out.push(class);
             out.push(e.copies);
             out.extend_from_slice(&e.rank.to_le_bytes());
-            out.push(e.parent().is_some() as u8);
-            put_u64(out, e.parent().unwrap_or(0) as u64);
+            out.push(e.parent.is_some() as u8);
+            put_u64(out, e.parent.unwrap_or(0) as u64);
             put_u32(out, e.attrs);
             put_u32(out, e.block.len() as u32);
-            out.extend_from_slice(&e.block);
+            out.extend_from_slice(e.block);
         }
     }
 
     fn heap_bytes_hint(&self) -> usize {
-        64 + self.blocks.len() * 32 + self.bytes() / 2
+        64 + self.len() * 32 + self.bytes() / 2
     }
 }
 
@@ -190,7 +190,7 @@ impl<'a> Image<'a> {
                 lost = true;
                 continue;
             };
-            let e = Entry::new(b.parent, b.block.into(), attrs, b.copies.max(1), b.rank);
+            let e = Entry::new(b.parent, b.block, attrs, b.copies.max(1), b.rank);
             if !t.insert(b.hash, b.class, e) {
                 lost = true;
             }

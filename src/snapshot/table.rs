@@ -12,10 +12,11 @@
 //!
 //! **Memory.** Tokens dominate, so a block keeps exactly its wire form: the `KvBlocksStored.blocks`
 //! entry (tag, length, `KvBlock` with packed varint tokens, `block_size`, `lora_id`,
-//! `cache_level`, `extra_keys`) in one boxed slice, plus its parent, copy count, rank and the id
-//! of its store's attribute set (fields 3–12 of `KvBlocksStored`, interned and reference
-//! counted: thousands of blocks share a handful). [`Table::bytes`] reports what the table holds
-//! (entries, slices, attribute sets), so bytes per block can be read off the metrics.
+//! `cache_level`, `extra_keys`), back to back with the others in one arena, plus a packed
+//! 29-byte map slot: hash, class, parent, arena offset, copy count, rank and the id of its
+//! store's attribute set (fields 3–12 of `KvBlocksStored`, interned and reference counted:
+//! thousands of blocks share a handful). [`Table::bytes`] reports what the table holds (slots,
+//! arena, attribute sets), so bytes per block can be read off the metrics.
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -78,45 +79,198 @@ pub(crate) fn class_of(tier: Option<i32>) -> u8 {
     }
 }
 
-/// One held block (one class of one hash). 32 bytes: the parent is kept as a value and a flag
-/// rather than an `Option<i64>` (which would pad the entry to 40 and the map's slot to 56): the
-/// table's update is bound by cache misses in this map, so its slot size is its cost.
-#[derive(Clone, Debug)]
-pub(crate) struct Entry {
+/// The map key of a held block: its hash and copy class, packed into 9 bytes (an aligned
+/// `(i64, u8)` takes 16). The table's update is bound by cache misses in this map, and at a
+/// million blocks its slots are most of the table's memory: the slot size is its cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C, packed)]
+pub(crate) struct Key {
+    hash: i64,
+    class: u8,
+}
+
+impl Key {
+    pub(crate) fn new(hash: i64, class: u8) -> Self {
+        Key { hash, class }
+    }
+}
+
+impl std::hash::Hash for Key {
+    #[inline]
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        // one round: the class spread over every bit, so a block's classes land apart
+        let (hash, class) = (self.hash, self.class);
+        h.write_u64(hash as u64 ^ (class as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
+}
+
+/// What the map keeps of one held block, packed into 20 bytes: its parent, where its bytes are
+/// in the [`Arena`] (40 bits), its attribute set, rank, copies and whether it has a parent.
+/// With the key a slot is 29 bytes (an aligned layout with a boxed slice took 48, and the box's
+/// own allocation 16–24 more).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, packed)]
+struct Slot {
     parent: i64,
+    off_lo: u32,
+    off_hi: u8,
+    attrs: u32,
+    rank: u16,
+    /// Copies in bits 0–3, "has a parent" in bit 7.
+    flags: u8,
+}
+
+const HAS_PARENT: u8 = 0x80;
+
+const _: () = assert!(std::mem::size_of::<(Key, Slot)>() == 29);
+const _: () = assert!(COPIES_CAP < 16);
+
+impl Slot {
+    fn new(parent: Option<i64>, off: u64, attrs: u32, copies: u8, rank: u16) -> Self {
+        debug_assert!(off < 1 << 40);
+        Slot {
+            parent: parent.unwrap_or(0),
+            off_lo: off as u32,
+            off_hi: (off >> 32) as u8,
+            attrs,
+            rank,
+            flags: copies.min(COPIES_CAP) | if parent.is_some() { HAS_PARENT } else { 0 },
+        }
+    }
+    fn off(&self) -> u64 {
+        self.off_lo as u64 | (self.off_hi as u64) << 32
+    }
+    fn set_off(&mut self, off: u64) {
+        self.off_lo = off as u32;
+        self.off_hi = (off >> 32) as u8;
+    }
+    fn copies(&self) -> u8 {
+        self.flags & 0x0f
+    }
+    fn set_copies(&mut self, n: u8) {
+        self.flags = (self.flags & HAS_PARENT) | n.min(COPIES_CAP);
+    }
+    fn parent(&self) -> Option<i64> {
+        (self.flags & HAS_PARENT != 0).then_some(self.parent)
+    }
+}
+
+/// One held block as the table shows it (and as loaders hand it in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry<'a> {
+    /// `parent_block_hash` of the block (`None`: it starts a chain).
+    pub(crate) parent: Option<i64>,
     /// The `blocks` entry, as sent (tag, length, `KvBlock`).
-    pub(crate) block: Box<[u8]>,
+    pub(crate) block: &'a [u8],
     pub(crate) attrs: u32,
     pub(crate) rank: u16,
     pub(crate) copies: u8,
-    has_parent: bool,
 }
 
-impl Entry {
+impl<'a> Entry<'a> {
     pub(crate) fn new(
         parent: Option<i64>,
-        block: Box<[u8]>,
+        block: &'a [u8],
         attrs: u32,
         copies: u8,
         rank: u16,
     ) -> Self {
         Entry {
-            parent: parent.unwrap_or(0),
+            parent,
             block,
             attrs,
             rank,
             copies,
-            has_parent: parent.is_some(),
         }
-    }
-
-    /// `parent_block_hash` of the block (`None`: it starts a chain).
-    pub(crate) fn parent(&self) -> Option<i64> {
-        self.has_parent.then_some(self.parent)
     }
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == 32);
+/// The held blocks' bytes, back to back in pages of [`PAGE`] bytes, each behind its length (a
+/// varint): a few large allocations instead of one per block (which cost 16–24 bytes of
+/// allocator overhead each), and pages rather than one growing buffer (whose doubling leaves
+/// the allocator holding the smaller copies: measured +56 B per block of RSS). A removed
+/// block's bytes become a hole that the next block of exactly that length takes (block lengths
+/// of one engine vary over a few values: tokens are varints); when holes are more than half
+/// of the arena anyway (lengths drifted), it is compacted.
+#[derive(Debug, Default)]
+struct Arena {
+    pages: Vec<Vec<u8>>,
+    /// Σ page lengths.
+    used: usize,
+    /// Holes by their length (prefix included).
+    holes: FastMap<u32, Vec<u64>>,
+    /// Σ hole lengths, and their number.
+    hole_bytes: usize,
+    hole_count: usize,
+}
+
+/// Bits of an arena offset within its page; a block never straddles two pages (one longer than
+/// a page gets a page of its own).
+const PAGE_BITS: u32 = 20;
+const PAGE: usize = 1 << PAGE_BITS;
+
+/// Arena holes below this never trigger a compaction (small in unit tests, so that the property
+/// test compacts).
+const COMPACT_MIN: usize = if cfg!(test) { 256 } else { 1 << 20 };
+
+impl Arena {
+    /// Stores `block`; its offset.
+    fn put(&mut self, block: &[u8]) -> u64 {
+        let need = prost::encoding::encoded_len_varint(block.len() as u64) + block.len();
+        if let Some(off) = self.holes.get_mut(&(need as u32)).and_then(|v| v.pop()) {
+            self.hole_bytes -= need;
+            self.hole_count -= 1;
+            let (p, o) = split(off);
+            let mut at = &mut self.pages[p][o..o + need];
+            prost::encoding::encode_varint(block.len() as u64, &mut at);
+            at.copy_from_slice(block);
+            return off;
+        }
+        let room = self.pages.last().map_or(0, |p| p.capacity() - p.len());
+        if room < need {
+            self.pages.push(Vec::with_capacity(need.max(PAGE)));
+        }
+        let p = self.pages.len() - 1;
+        let page = &mut self.pages[p];
+        let off = ((p as u64) << PAGE_BITS) | page.len() as u64;
+        prost::encoding::encode_varint(block.len() as u64, page);
+        page.extend_from_slice(block);
+        self.used += need;
+        assert!(off < 1 << 40, "snapshot table arena over 1 TiB");
+        off
+    }
+
+    /// The block stored at `off`, and the bytes it takes (prefix included).
+    fn get(&self, off: u64) -> (&[u8], usize) {
+        let (p, o) = split(off);
+        let mut b = &self.pages[p][o..];
+        let len = prost::encoding::decode_varint(&mut b).expect("an arena length") as usize;
+        let prefix = prost::encoding::encoded_len_varint(len as u64);
+        (&b[..len], prefix + len)
+    }
+
+    /// Makes the block at `off` a hole.
+    fn free(&mut self, off: u64) {
+        let (_, need) = self.get(off);
+        self.holes.entry(need as u32).or_default().push(off);
+        self.hole_bytes += need;
+        self.hole_count += 1;
+    }
+
+    /// Bytes held: the blocks, the holes and the hole lists.
+    fn bytes(&self) -> usize {
+        self.used + self.hole_count * 8 + self.holes.len() * 48
+    }
+
+    fn wants_compaction(&self) -> bool {
+        self.hole_bytes > COMPACT_MIN && self.hole_bytes * 2 > self.used
+    }
+}
+
+/// Page and offset within it of an arena offset.
+fn split(off: u64) -> (usize, usize) {
+    ((off >> PAGE_BITS) as usize, (off as usize) & (PAGE - 1))
+}
 
 /// An interned attribute set (`KvBlocksStored` fields 3–12, encoded) and how many entries use it.
 #[derive(Clone, Debug, Default)]
@@ -125,19 +279,20 @@ pub(crate) struct Attrs {
     pub(crate) refs: u64,
 }
 
-/// Fixed per-entry cost used by [`Table::bytes`]: key, entry and the hash map's control byte,
-/// at its load factor.
-const ENTRY_OVERHEAD: usize =
-    (std::mem::size_of::<(i64, u8)>() + std::mem::size_of::<Entry>() + 1) * 8 / 7;
+/// Fixed per-entry cost used by [`Table::bytes`]: a map slot and its control byte, at the
+/// map's load factor (its capacity is 7/8 of its buckets).
+const ENTRY_OVERHEAD: usize = (std::mem::size_of::<(Key, Slot)>() + 1) * 8 / 7;
 
 /// The table of one ring.
 #[derive(Debug, Default)]
 pub struct Table {
-    pub(crate) blocks: FastMap<(i64, u8), Entry>,
+    blocks: FastMap<Key, Slot>,
+    /// The blocks' bytes.
+    arena: Arena,
     pub(crate) attrs: Vec<Attrs>,
     attr_ids: FastMap<Box<[u8]>, u32>,
     free_attrs: Vec<u32>,
-    /// Σ boxed block bytes and attribute bytes.
+    /// Σ attribute bytes (with their map entry).
     heap_bytes: usize,
     /// Blocks per rank (rank of a block's first store).
     pub(crate) per_rank: Vec<u64>,
@@ -178,9 +333,25 @@ impl Table {
         self.blocks.is_empty()
     }
 
-    /// Bytes the table holds: entries (with the map's overhead), block slices, attribute sets.
+    /// Bytes the table holds: map slots (with the map's overhead), the block arena, attribute
+    /// sets.
     pub fn bytes(&self) -> usize {
-        self.blocks.capacity() * ENTRY_OVERHEAD + self.heap_bytes
+        self.blocks.capacity() * ENTRY_OVERHEAD + self.arena.bytes() + self.heap_bytes
+    }
+
+    /// Every held block, in the map's order.
+    pub(crate) fn entries(&self) -> impl ExactSizeIterator<Item = (i64, u8, Entry<'_>)> + '_ {
+        self.blocks.iter().map(|(k, s)| {
+            let (hash, class) = (k.hash, k.class);
+            let e = Entry::new(
+                s.parent(),
+                self.arena.get(s.off()).0,
+                s.attrs,
+                s.copies(),
+                s.rank,
+            );
+            (hash, class, e)
+        })
     }
 
     /// Blocks per rank.
@@ -249,6 +420,7 @@ impl Table {
     /// Empties the table; its state begins again at record `seq` (complete).
     pub(crate) fn clear(&mut self, seq: u64) {
         self.blocks = FastMap::default();
+        self.arena = Arena::default();
         self.attrs.clear();
         self.attr_ids.clear();
         self.free_attrs.clear();
@@ -297,19 +469,36 @@ impl Table {
     }
 
     /// Inserts a block (used by the checkpoint loader and the ring catch-up as well).
-    pub(crate) fn insert(&mut self, hash: i64, class: u8, e: Entry) -> bool {
+    pub(crate) fn insert(&mut self, hash: i64, class: u8, e: Entry<'_>) -> bool {
         if self.blocks.len() >= self.max_blocks {
             return false;
         }
-        self.heap_bytes += e.block.len();
-        self.attrs[e.attrs as usize].refs += 1;
-        let r = e.rank as usize;
+        let off = self.arena.put(e.block);
+        self.count_in(e.attrs, e.rank);
+        let slot = Slot::new(e.parent, off, e.attrs, e.copies, e.rank);
+        if let Some(old) = self.blocks.insert(Key::new(hash, class), slot) {
+            self.drop_slot(&old);
+        }
+        true
+    }
+
+    /// A new block uses attribute set `attrs` and counts for `rank`.
+    fn count_in(&mut self, attrs: u32, rank: u16) {
+        self.attrs[attrs as usize].refs += 1;
+        let r = rank as usize;
         if self.per_rank.len() <= r {
             self.per_rank.resize(r + 1, 0);
         }
         self.per_rank[r] += 1;
-        self.blocks.insert((hash, class), e);
-        true
+    }
+
+    /// What a block no longer held gives back (its bytes, attribute set and rank count).
+    fn drop_slot(&mut self, s: &Slot) {
+        self.arena.free(s.off());
+        if let Some(n) = self.per_rank.get_mut(s.rank as usize) {
+            *n = n.saturating_sub(1);
+        }
+        self.release_attrs(s.attrs);
     }
 
     fn store(&mut self, ev: &dyn StoredEvent) {
@@ -323,10 +512,10 @@ impl Table {
             let hash = ev.hash(i);
             let full = self.blocks.len() >= self.max_blocks;
             // one lookup per block: the entry is either another copy or a new block
-            match self.blocks.entry((hash, class)) {
+            match self.blocks.entry(Key::new(hash, class)) {
                 std::collections::hash_map::Entry::Occupied(mut o) => {
                     let e = o.get_mut();
-                    e.copies = (e.copies + 1).min(COPIES_CAP);
+                    e.set_copies(e.copies() + 1);
                 }
                 std::collections::hash_map::Entry::Vacant(_) if full => lost = true,
                 std::collections::hash_map::Entry::Vacant(v) => {
@@ -337,20 +526,9 @@ impl Table {
                     } else {
                         Some(ev.hash(i - 1))
                     };
-                    self.heap_bytes += scratch.len();
-                    self.attrs[attrs as usize].refs += 1;
-                    let r = self.rank as usize;
-                    if self.per_rank.len() <= r {
-                        self.per_rank.resize(r + 1, 0);
-                    }
-                    self.per_rank[r] += 1;
-                    v.insert(Entry::new(
-                        parent,
-                        scratch.as_slice().into(),
-                        attrs,
-                        1,
-                        self.rank,
-                    ));
+                    let off = self.arena.put(&scratch);
+                    v.insert(Slot::new(parent, off, attrs, 1, self.rank));
+                    self.count_in(attrs, self.rank);
                 }
             }
         }
@@ -368,19 +546,28 @@ impl Table {
     /// Drops one copy of each hash in `class`.
     pub(crate) fn remove(&mut self, hashes: &[i64], class: u8) {
         for &h in hashes {
-            let Some(e) = self.blocks.get_mut(&(h, class)) else {
+            let key = Key::new(h, class);
+            let Some(e) = self.blocks.get_mut(&key) else {
                 continue;
             };
-            if e.copies > 1 {
-                e.copies -= 1;
+            if e.copies() > 1 {
+                e.set_copies(e.copies() - 1);
                 continue;
             }
-            let e = self.blocks.remove(&(h, class)).expect("present");
-            self.heap_bytes -= e.block.len();
-            if let Some(n) = self.per_rank.get_mut(e.rank as usize) {
-                *n = n.saturating_sub(1);
-            }
-            self.release_attrs(e.attrs);
+            let e = self.blocks.remove(&key).expect("present");
+            self.drop_slot(&e);
+        }
+        if self.arena.wants_compaction() {
+            self.compact();
+        }
+    }
+
+    /// Copies every held block into a new arena without holes.
+    fn compact(&mut self) {
+        let old = std::mem::take(&mut self.arena);
+        for s in self.blocks.values_mut() {
+            let off = self.arena.put(old.get(s.off()).0);
+            s.set_off(off);
         }
     }
 
@@ -418,5 +605,257 @@ impl EventVisitor for Apply<'_> {
     }
     fn cleared(&mut self) {
         self.t.clear(self.seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    /// A store as a test builds it.
+    #[derive(Clone, Debug)]
+    struct Ev {
+        parent: Option<i64>,
+        tier: Option<i32>,
+        hashes: Vec<i64>,
+        blocks: Vec<Vec<u8>>,
+        attrs: Vec<u8>,
+    }
+
+    impl StoredEvent for Ev {
+        fn parent(&self) -> Option<i64> {
+            self.parent
+        }
+        fn tier(&self) -> Option<i32> {
+            self.tier
+        }
+        fn blocks(&self) -> usize {
+            self.hashes.len()
+        }
+        fn hash(&self, i: usize) -> i64 {
+            self.hashes[i]
+        }
+        fn write_attrs(&self, out: &mut Vec<u8>) {
+            out.extend_from_slice(&self.attrs);
+        }
+        fn write_block(&self, i: usize, out: &mut Vec<u8>) {
+            out.extend_from_slice(&self.blocks[i]);
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Store(u16, Ev),
+        Remove(Vec<i64>, Option<i32>),
+        Clear,
+    }
+
+    /// What the reference keeps of a block: parent, bytes, attribute bytes, copies, rank.
+    type RefBlock = (Option<i64>, Vec<u8>, Vec<u8>, u8, u16);
+
+    /// The reference: a plain map with the table's rules, written out directly.
+    #[derive(Default)]
+    struct Reference {
+        blocks: HashMap<(i64, u8), RefBlock>,
+        max: usize,
+        unknown: u64,
+    }
+
+    impl Reference {
+        fn apply(&mut self, op: &Op) {
+            match op {
+                Op::Store(rank, ev) => {
+                    let class = class_of(ev.tier);
+                    let mut lost = false;
+                    for (i, &h) in ev.hashes.iter().enumerate() {
+                        let full = self.blocks.len() >= self.max;
+                        match self.blocks.get_mut(&(h, class)) {
+                            Some(b) => b.3 = (b.3 + 1).min(COPIES_CAP),
+                            None if full => lost = true,
+                            None => {
+                                let parent = if i == 0 {
+                                    ev.parent
+                                } else {
+                                    Some(ev.hashes[i - 1])
+                                };
+                                let b = (parent, ev.blocks[i].clone(), ev.attrs.clone(), 1, *rank);
+                                self.blocks.insert((h, class), b);
+                            }
+                        }
+                    }
+                    if lost {
+                        self.unknown += 1;
+                    }
+                }
+                Op::Remove(hashes, tier) => {
+                    let class = class_of(*tier);
+                    for h in hashes {
+                        if let Some(b) = self.blocks.get_mut(&(*h, class)) {
+                            if b.3 > 1 {
+                                b.3 -= 1;
+                            } else {
+                                self.blocks.remove(&(*h, class));
+                            }
+                        }
+                    }
+                }
+                Op::Clear => {
+                    self.blocks.clear();
+                    self.unknown = 0;
+                }
+            }
+        }
+    }
+
+    fn apply(t: &mut Table, op: &Op, seq: u64) {
+        let rank = match op {
+            Op::Store(r, _) => *r as u32,
+            _ => 0,
+        };
+        t.apply_with(rank, seq, seq, &mut |v| match op {
+            Op::Store(_, ev) => v.stored(ev),
+            Op::Remove(h, tier) => v.removed(h, *tier),
+            Op::Clear => v.cleared(),
+        });
+    }
+
+    /// The table's content in the reference's form.
+    fn content(t: &Table) -> HashMap<(i64, u8), RefBlock> {
+        t.entries()
+            .map(|(h, c, e)| {
+                let attrs = t.attrs[e.attrs as usize].bytes.to_vec();
+                (
+                    (h, c),
+                    (e.parent, e.block.to_vec(), attrs, e.copies, e.rank),
+                )
+            })
+            .collect()
+    }
+
+    fn tier() -> impl Strategy<Value = Option<i32>> {
+        prop_oneof![Just(None), Just(Some(1)), Just(Some(2)), Just(Some(3))]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // few hashes, so that stores hit held blocks and removals find them
+        let hashes = proptest::collection::vec(0i64..48, 1..12);
+        let store = (
+            0u16..3,
+            proptest::option::of(0i64..48),
+            tier(),
+            hashes.clone(),
+            // lengths vary, so that holes of many sizes are left and the arena compacts
+            proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..90), 12),
+            prop_oneof![
+                Just(vec![]),
+                Just(vec![0x18, 1]),
+                Just(vec![0x22, 2, b'a', b'b'])
+            ],
+        )
+            .prop_map(|(rank, parent, tier, hashes, mut blocks, attrs)| {
+                blocks.truncate(hashes.len());
+                Op::Store(
+                    rank,
+                    Ev {
+                        parent,
+                        tier,
+                        hashes,
+                        blocks,
+                        attrs,
+                    },
+                )
+            });
+        prop_oneof![
+            6 => store,
+            5 => (hashes, tier()).prop_map(|(h, t)| Op::Remove(h, t)),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Random store / remove / clear sequences leave the table holding exactly what a plain
+        /// map with the same rules holds (blocks, parents, bytes, attribute sets, copies, ranks,
+        /// per-rank counts, completeness), and its image loads back into the same table.
+        #[test]
+        fn the_table_equals_a_reference_map(
+            ops in proptest::collection::vec(op(), 1..160),
+            max in prop_oneof![Just(usize::MAX), 10usize..40],
+        ) {
+            let mut t = Table::new(max, 1);
+            let mut r = Reference { max, ..Default::default() };
+            for (i, op) in ops.iter().enumerate() {
+                apply(&mut t, op, i as u64 + 1);
+                r.apply(op);
+                prop_assert_eq!(t.len(), r.blocks.len());
+            }
+            prop_assert_eq!(content(&t), r.blocks.clone());
+            prop_assert_eq!(t.unknown(), r.unknown);
+            let mut per_rank = vec![0u64; t.per_rank().len()];
+            for b in r.blocks.values() {
+                per_rank[b.4 as usize] += 1;
+            }
+            prop_assert_eq!(t.per_rank(), &per_rank[..]);
+            let used = t.attrs.iter().filter(|a| a.refs > 0).count();
+            let distinct: std::collections::HashSet<_> = r.blocks.values().map(|b| &b.2).collect();
+            prop_assert_eq!(used, distinct.len(), "attribute sets are dropped with their last block");
+            let mut img = Vec::new();
+            t.image(&mut img);
+            let back = super::super::image::Image::parse(&img).expect("valid").to_table(max);
+            prop_assert_eq!(content(&back), r.blocks);
+        }
+    }
+
+    #[test]
+    fn holes_of_one_length_are_reused_and_drifting_lengths_compact() {
+        let mut a = Arena::default();
+        let offs: Vec<u64> = (0..1000u32).map(|i| a.put(&i.to_le_bytes())).collect();
+        let len = a.used;
+        for &o in &offs[..500] {
+            a.free(o);
+        }
+        for i in 0..500u32 {
+            a.put(&(i + 7).to_le_bytes());
+        }
+        assert_eq!(a.used, len, "same-length blocks fill the holes");
+        assert_eq!((a.hole_bytes, a.hole_count), (0, 0));
+        let big = vec![3u8; 3 * PAGE];
+        let off = a.put(&big);
+        assert_eq!(
+            a.get(off).0,
+            &big[..],
+            "a block longer than a page has a page of its own"
+        );
+        let next = a.put(b"next");
+        assert_eq!(a.get(next).0, b"next");
+        let mut t = Table::new(usize::MAX, 1);
+        let store = |t: &mut Table, h: i64, n: usize| {
+            let ev = Ev {
+                parent: None,
+                tier: None,
+                hashes: vec![h],
+                blocks: vec![vec![7; n]],
+                attrs: vec![],
+            };
+            apply(t, &Op::Store(0, ev), h as u64);
+        };
+        for h in 0..2000 {
+            store(&mut t, h, 1000);
+        }
+        let full = t.arena.used;
+        apply(&mut t, &Op::Remove((0..1500).collect(), None), 3000);
+        assert!(
+            t.arena.used < full / 2,
+            "compacted: {} of {full}",
+            t.arena.used
+        );
+        for h in 1500..2000 {
+            assert_eq!(
+                t.arena.get(t.blocks[&Key::new(h, 0)].off()).0,
+                &[7; 1000][..]
+            );
+        }
     }
 }
