@@ -1,4 +1,4 @@
-//! The snapshot table's cost (issue 10), each against a baseline measured in the same run:
+//! The snapshot table's cost, each against a baseline measured in the same run:
 //!
 //! * `ingest/decode` vs `ingest/decode+table`: 2,000 engine batches of the serving mix
 //!   (`sim::Workload`: prefill stores, decode-time single-block stores, eviction sweeps) decoded

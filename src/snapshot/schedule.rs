@@ -1,4 +1,4 @@
-//! When a table's checkpoint is rewritten (issue 26): the checkpoint exists only so that a
+//! When a table's checkpoint is rewritten: the checkpoint exists only so that a
 //! restart can rebuild the table from checkpoint + ring, so it must be rewritten before the ring
 //! laps its cut, and otherwise rarely.
 //!

@@ -1,4 +1,4 @@
-//! Snapshots for late joiners (issue 10, docs/smg-api.md §3.5, §6.5), checked with the SMG
+//! Snapshots for late joiners (docs/smg-api.md §3.5, §6.5), checked with the SMG
 //! gateway's own indexer (crates.io `kv-index` 1.7.0, the version smg 1.13.0 uses).
 //!
 //! Gateway X is fed every batch from the start; gateway Y subscribes late, after the ring
@@ -599,8 +599,8 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
         std::thread::sleep(Duration::from_millis(50));
     }
     // The checkpoint is one the ring can still catch up from (cut + 1 retained): the churn lapped
-    // the 1 MiB ring several times, and the checkpoint was rewritten before each lap of its cut
-    // (issue 26). Publish a little more so that the restart really is checkpoint + ring
+    // the 1 MiB ring several times, and the checkpoint was rewritten before each lap of its cut.
+    // Publish a little more so that the restart really is checkpoint + ring
     // catch-up.
     let oldest = kvbridge_shm::RingReader::open(&ring).unwrap().oldest();
     let c = kvbridge::snapshot::from_checkpoint(&ring).unwrap();
@@ -682,7 +682,7 @@ async fn snapshot_off_serves_the_window_only() {
     assert!(bridge.stop().success());
 }
 
-/// Issue 26: a small ring and a fast writer lap the ring (and any checkpoint's cut) several
+/// A small ring and a fast writer lap the ring (and any checkpoint's cut) several
 /// times a second. The checkpoint is rewritten before the ring laps its cut — with no interval
 /// to help — so a SIGKILL at any moment restarts from checkpoint + ring catch-up, complete:
 /// never "rebuilt from the ring alone".
@@ -822,7 +822,7 @@ async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path) -> u6
     }
 }
 
-/// Issue 26: a table that does not change writes no checkpoint, and one change a second writes
+/// A table that does not change writes no checkpoint, and one change a second writes
 /// none either before `--checkpoint-interval` (default 1 minute) passes — where the bridge used
 /// to rewrite the whole image every second. Counted through the metrics; SIGTERM writes the
 /// last one.
