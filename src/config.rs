@@ -286,6 +286,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub snapshot: SnapshotArgs,
+    /// Re-publishing on the engines' ZMQ wire.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub publish_zmq: PublishZmqArgs,
     /// Metrics, logs, health.
     #[command(flatten)]
     #[serde(flatten)]
@@ -317,6 +321,7 @@ impl ServeArgs {
             ops,
             proxy,
             snapshot,
+            publish_zmq,
             ..
         } = self.clone();
         // Sidecar mode raises the default stream limit (see `ProxyArgs`), so whether the flag
@@ -333,7 +338,19 @@ impl ServeArgs {
         let ops = ops.merge(file.ops).validate(streaming.grpc)?;
         let nats = nats.merge(file.nats).validate()?;
         let snapshot = snapshot.merge(file.snapshot).validate()?;
+        let publish_zmq = publish_zmq.merge(file.publish_zmq).validate()?;
+        if let Some(p) = &publish_zmq {
+            let n = engine.ranks.len() as u32;
+            // Each rank's wire numbers its batches with its own ring's sequence numbers.
+            if n > 1 && streaming.dp_mode != DpMode::Metadata {
+                return Err(invalid(format!(
+                    "--publish-zmq with {n} ranks needs --dp-mode metadata (one ring, hence one contiguous sequence, per rank)"
+                )));
+            }
+            p.check_ranks(n).map_err(invalid)?;
+        }
         Ok(ServeConfig {
+            publish_zmq,
             snapshot,
             ranks: engine.ranks,
             topic: engine.topic,
@@ -665,6 +682,55 @@ impl SnapshotArgs {
             chunk_bytes: chunk as usize,
             checkpoint_interval,
         })
+    }
+}
+
+concern! {
+    /// Re-publishing on the engines' own ZMQ wire (docs/dynamo-llm-d.md).
+    #[command(next_help_heading = "Engine-wire publishing (ZMQ)")]
+    pub struct PublishZmqArgs {
+        /// Bind a ZMQ PUB per DP rank, rank r on PORT + r, carrying every ring record as the
+        /// engine's own `[topic, seq, EventBatch]` (for Dynamo, llm-d and other ZMQ consumers).
+        #[arg(long, value_name = "tcp://HOST:PORT")]
+        pub publish_zmq: Option<String>,
+        /// Also bind the replay ROUTER of rank r on PORT + r (the vLLM replay protocol).
+        #[arg(long, value_name = "tcp://HOST:PORT")]
+        pub publish_zmq_replay: Option<String>,
+        /// Topic frame of published batches.
+        #[arg(long, value_name = "TOPIC")]
+        pub publish_zmq_topic: Option<String>,
+        /// Event encoding: tagged maps (vLLM >= 0.24) or tagged arrays (older consumers).
+        #[arg(long, value_enum)]
+        pub publish_zmq_layout: Option<crate::publish_zmq::WireLayout>,
+    }
+}
+
+impl PublishZmqArgs {
+    fn validate(self) -> Result<Option<crate::publish_zmq::PublishZmqConfig>, ConfigError> {
+        use crate::publish_zmq::{PublishZmqConfig, TcpEndpoint};
+        let Some(publish) = self.publish_zmq else {
+            for (name, given) in [
+                ("publish-zmq-replay", self.publish_zmq_replay.is_some()),
+                ("publish-zmq-topic", self.publish_zmq_topic.is_some()),
+                ("publish-zmq-layout", self.publish_zmq_layout.is_some()),
+            ] {
+                if given {
+                    return Err(invalid(format!("--{name} needs --publish-zmq")));
+                }
+            }
+            return Ok(None);
+        };
+        let publish = TcpEndpoint::parse("publish-zmq", &publish).map_err(invalid)?;
+        let replay = match &self.publish_zmq_replay {
+            Some(r) => Some(TcpEndpoint::parse("publish-zmq-replay", r).map_err(invalid)?),
+            None => None,
+        };
+        Ok(Some(PublishZmqConfig {
+            publish,
+            replay,
+            topic: self.publish_zmq_topic,
+            layout: self.publish_zmq_layout.unwrap_or_default(),
+        }))
     }
 }
 
@@ -1198,6 +1264,8 @@ pub struct ServeConfig {
     pub proxy: Option<ProxyConfig>,
     /// Snapshots for late joiners.
     pub snapshot: crate::snapshot::SnapshotConfig,
+    /// Re-publishing on the engines' ZMQ wire, when `--publish-zmq` is given.
+    pub publish_zmq: Option<crate::publish_zmq::PublishZmqConfig>,
 }
 
 impl ServeConfig {
@@ -1887,6 +1955,27 @@ mod tests {
                 r#"checkpoint-interval = "5m""#,
                 r#"checkpoint-interval = "90s""#,
             ),
+            // Engine-wire publishing.
+            row(
+                "--publish-zmq tcp://*:6557",
+                r#"publish-zmq = "tcp://*:6557""#,
+                r#"publish-zmq = "tcp://*:6600""#,
+            ),
+            row(
+                "--publish-zmq tcp://*:6557 --publish-zmq-replay tcp://*:6558",
+                "publish-zmq = \"tcp://*:6557\"\npublish-zmq-replay = \"tcp://*:6558\"",
+                "publish-zmq = \"tcp://*:6557\"\npublish-zmq-replay = \"tcp://*:6700\"",
+            ),
+            row(
+                "--publish-zmq tcp://*:6557 --publish-zmq-topic kv",
+                "publish-zmq = \"tcp://*:6557\"\npublish-zmq-topic = \"kv\"",
+                "publish-zmq = \"tcp://*:6557\"\npublish-zmq-topic = \"other\"",
+            ),
+            row(
+                "--publish-zmq tcp://*:6557 --publish-zmq-layout array",
+                "publish-zmq = \"tcp://*:6557\"\npublish-zmq-layout = \"array\"",
+                "publish-zmq = \"tcp://*:6557\"\npublish-zmq-layout = \"map\"",
+            ),
             row(
                 "--max-subscribers 7",
                 "max-subscribers = 7",
@@ -1992,6 +2081,54 @@ mod tests {
                 "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 250",
             ),
         ]
+    }
+
+    #[test]
+    fn publish_zmq_settings_are_checked() {
+        let err = |a: &[&str]| {
+            let mut v = vec!["--zmq", "tcp://*:5557"];
+            v.extend_from_slice(a);
+            flags(&v).resolve().unwrap_err().to_string()
+        };
+        assert_eq!(
+            err(&["--publish-zmq-topic", "kv"]),
+            "--publish-zmq-topic needs --publish-zmq"
+        );
+        assert!(err(&["--publish-zmq", "ipc:///x"]).contains("must be tcp://HOST:PORT"));
+        assert!(err(&["--publish-zmq", "tcp://*:70000"]).contains("0 to 65535"));
+        assert!(err(&["--publish-zmq", "tcp://:6000"]).contains("no host"));
+        let two = |extra: &[&str]| {
+            let mut v = vec!["--zmq", "tcp://*:5557", "--zmq", "tcp://*:5567"];
+            v.extend_from_slice(extra);
+            flags(&v).resolve().map(|_| ()).map_err(|e| e.to_string())
+        };
+        assert!(two(&["--publish-zmq", "tcp://*:6000"])
+            .unwrap_err()
+            .contains("needs --dp-mode metadata"));
+        let clash = two(&[
+            "--dp-mode",
+            "metadata",
+            "--publish-zmq",
+            "tcp://*:6000",
+            "--publish-zmq-replay",
+            "tcp://*:6001",
+        ])
+        .unwrap_err();
+        assert!(clash.contains("overlap"), "{clash}");
+        two(&[
+            "--dp-mode",
+            "metadata",
+            "--publish-zmq",
+            "tcp://*:6000",
+            "--publish-zmq-replay",
+            "tcp://*:6002",
+        ])
+        .unwrap();
+        assert!(
+            two(&["--dp-mode", "metadata", "--publish-zmq", "tcp://*:65535"])
+                .unwrap_err()
+                .contains("beyond 65535")
+        );
     }
 
     /// Every setting is in the table, and each gives the same configuration as a flag and as a TOML

@@ -34,6 +34,7 @@ pub mod metrics;
 pub mod net;
 pub mod proto;
 pub mod proxy;
+pub mod publish_zmq;
 pub mod ring;
 pub mod secrets;
 pub mod sim;

@@ -17,6 +17,7 @@ pub mod nats;
 pub mod proc_stats;
 pub mod reader;
 mod wire;
+pub mod zmq_column;
 
 pub use wire::RawCodec;
 
@@ -165,6 +166,9 @@ pub struct BenchResult {
     /// (see [`floor`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub floor: Vec<floor::FloorResult>,
+    /// `--zmq-subscribers`: the `--publish-zmq` column and its bare-relay floor.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq: Option<zmq_column::ZmqResult>,
 }
 
 /// The publisher thread: open loop, stamps each batch with its scheduled send time.

@@ -77,6 +77,11 @@ pub(super) struct BenchArgs {
     /// sink's publish lag on this machine, and the cluster's own effect on the gRPC rows.
     #[arg(long = "nats-floor", requires = "nats")]
     nats_floor: bool,
+    /// The bridge the bench starts also publishes on the engine ZMQ wire (`--publish-zmq`), read
+    /// by this many SUBs; as many more read the same engine messages through a bare relay (the
+    /// floor), in the same run.
+    #[arg(long = "zmq-subscribers", default_value_t = 0, conflicts_with = "grpc")]
+    zmq_subscribers: usize,
 }
 
 /// `kvbridge bench-nats-floor` (internal: the floor publisher process of `bench --nats-floor`).
@@ -198,6 +203,8 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     let rt = super::runtime()?;
     let ctx = zmq::Context::new();
     let mut nats_metrics: Option<std::net::SocketAddr> = None;
+    // (kvbridge's --publish-zmq endpoint, the bench engine's PUB) with --zmq-subscribers.
+    let mut zmq_pub: Option<(String, String)> = None;
     let (grpc, shm, pid, engine, own) = match &a.grpc {
         Some(g) => {
             let ep = a
@@ -235,6 +242,15 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
             let _ = crate::snapshot::remove_ring(&shm);
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
+            let mut zmq_args: Vec<String> = Vec::new();
+            if a.zmq_subscribers > 0 {
+                let zp = std::net::TcpListener::bind("127.0.0.1:0")
+                    .and_then(|l| l.local_addr())
+                    .map_err(|e| CliError::Setup(e.to_string()))?
+                    .port();
+                zmq_args = vec!["--publish-zmq".into(), format!("tcp://127.0.0.1:{zp}")];
+                zmq_pub = Some((format!("tcp://127.0.0.1:{zp}"), ep.clone()));
+            }
             let mut sink_args: Vec<String> = Vec::new();
             let mut sink_metrics = None;
             if let Some(urls) = a.nats.as_ref().filter(|_| !a.nats_floor) {
@@ -283,6 +299,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 .arg("--shm")
                 .arg(&shm)
                 .args(["--ring-size", &a.ring_size])
+                .args(&zmq_args)
                 .env("RUST_LOG", "error")
                 .stdout(Stdio::null())
                 .spawn()
@@ -344,6 +361,28 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
         serve_pid: pid,
     };
     let measure_from = Instant::now() + cfg.warmup;
+    let zmq_readers = match &zmq_pub {
+        Some((bridge_pub, engine_pub)) => {
+            let measuring = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let r = bench::zmq_column::ZmqReaders::start(
+                &ctx,
+                a.zmq_subscribers,
+                bridge_pub,
+                engine_pub,
+                measuring.clone(),
+            )
+            .map_err(CliError::Setup)?;
+            let duration = cfg.duration;
+            std::thread::spawn(move || {
+                std::thread::sleep(measure_from.saturating_duration_since(Instant::now()));
+                measuring.store(true, std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(duration);
+                measuring.store(false, std::sync::atomic::Ordering::SeqCst);
+            });
+            Some(r)
+        }
+        None => None,
+    };
     let publisher = Publisher::start(engine, cfg.rate, cfg.mix, measure_from);
     let progress = a.duration > 3 && std::io::IsTerminal::is_terminal(&std::io::stderr());
     // The sink's counters at the start of the measured window, read beside the run.
@@ -366,6 +405,15 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     publisher.stop();
     let mut result = result.map_err(CliError::Failed)?;
     print!("{}", bench::table(&result));
+    if let Some(z) = zmq_readers {
+        let z = z.finish();
+        let per_record = result
+            .bridge_cpu_seconds
+            .filter(|_| result.published > 0)
+            .map(|c| c * 1e6 / result.published as f64);
+        print!("{}", bench::zmq_column::table(&z, per_record));
+        result.zmq = Some(z);
+    }
     if let (Some(before), Some(after)) = (sink_before, sink_after) {
         let join = |h: std::thread::JoinHandle<Result<_, String>>| {
             h.join()

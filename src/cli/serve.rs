@@ -101,6 +101,8 @@ pub struct ServiceHandle {
     checkpointer: Option<std::thread::JoinHandle<()>>,
     /// Sidecar mode: told to stop accepting at the start of a shutdown.
     sidecar: Option<Arc<crate::proxy::Sidecar>>,
+    /// The engine-wire ZMQ edge, when `--publish-zmq` is given.
+    zmq_publisher: Option<crate::publish_zmq::ZmqPublisher>,
 }
 
 impl ServiceHandle {
@@ -131,6 +133,9 @@ impl ServiceHandle {
         // The sink after ingest: what was committed is published (bounded wait for its acks).
         if let Some(sink) = self.sink {
             sink.shutdown().await;
+        }
+        if let Some(z) = self.zmq_publisher {
+            let _ = tokio::task::spawn_blocking(move || z.shutdown()).await;
         }
         let _ = self.shutdown_tx.send(true);
         for h in &self.hubs {
@@ -277,6 +282,19 @@ async fn start_on_rings(
         &rank_adopted,
         &metrics,
     );
+    // The ZMQ edge reads the rings from their newest record on: bound and started before
+    // ingest, so that it sees every record published from now.
+    let zmq_publisher = match &cfg.publish_zmq {
+        Some(z) => Some(start_zmq_publisher(
+            z,
+            cfg,
+            &merged,
+            &rank_hubs,
+            &snapshot_tables,
+            &metrics,
+        )?),
+        None => None,
+    };
     let targets = cfg
         .ranks
         .iter()
@@ -395,7 +413,42 @@ async fn start_on_rings(
         sink,
         checkpointer,
         sidecar,
+        zmq_publisher,
     })
+}
+
+/// The ZMQ edge on each rank's ring (the merged ring when there is a single rank and no rank
+/// rings), with the ring's snapshot table.
+fn start_zmq_publisher(
+    z: &crate::publish_zmq::PublishZmqConfig,
+    cfg: &ServeConfig,
+    merged: &Arc<RingHub>,
+    rank_hubs: &[Arc<RingHub>],
+    tables: &[Arc<crate::snapshot::RingTable>],
+    metrics: &Metrics,
+) -> Result<crate::publish_zmq::ZmqPublisher, CliError> {
+    use crate::publish_zmq::RankSource;
+    let sources = if rank_hubs.is_empty() {
+        let rank = cfg.ranks.first().map_or(0, |r| r.rank);
+        vec![RankSource {
+            rank,
+            hub: merged.clone(),
+            table: tables.first().cloned(),
+        }]
+    } else {
+        rank_hubs
+            .iter()
+            .zip(&cfg.ranks)
+            .enumerate()
+            .map(|(i, (hub, r))| RankSource {
+                rank: r.rank,
+                hub: hub.clone(),
+                table: tables.get(i + 1).cloned(),
+            })
+            .collect()
+    };
+    crate::publish_zmq::ZmqPublisher::start(z, &cfg.topic, sources, metrics)
+        .map_err(|e| CliError::Setup(e.to_string()))
 }
 
 /// One snapshot table per ring (none with `--snapshot off`), restored from its checkpoint and

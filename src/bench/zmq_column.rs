@@ -1,0 +1,252 @@
+//! The ZMQ-subscriber column of `kvbridge bench --zmq-subscribers N`: N SUBs on the bridge's
+//! `--publish-zmq` PUB, and, in the same run, the floor: the same engine batches through a bare
+//! relay (one SUB on the bench's engine PUB re-sending every message unchanged on a PUB of its
+//! own, no decoding, no ring) to N more SUBs. Both paths have the same two ZMQ hops (engine →
+//! bridge or relay → subscriber); what the bridge adds is decode, ring commit, ring read and the
+//! msgpack re-encoding. Latency is measured from each batch's scheduled send time (its `ts`), as
+//! for the other columns.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use super::{Delivery, Latency};
+
+/// One path's figures.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ZmqColumn {
+    /// Latency over all its subscribers.
+    pub latency: Latency,
+    /// Totals over its subscribers.
+    pub delivery: Delivery,
+}
+
+/// The column and its floor.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ZmqResult {
+    /// Subscribers per path.
+    pub subscribers: usize,
+    /// Through the bridge's `--publish-zmq`.
+    pub bridge: ZmqColumn,
+    /// Through the bare relay.
+    pub floor: ZmqColumn,
+    /// CPU the relay thread used per message it relayed (µs): the floor's cost per record.
+    pub floor_cpu_us_per_record: Option<f64>,
+}
+
+/// The `ts` of a batch (`9x cb <f64 BE>`), in seconds.
+fn ts_of(payload: &[u8]) -> Option<f64> {
+    match payload {
+        [0x92 | 0x93, 0xcb, rest @ ..] if rest.len() >= 8 => {
+            Some(f64::from_be_bytes(rest[..8].try_into().expect("8 bytes")))
+        }
+        _ => None,
+    }
+}
+
+struct SubOut {
+    hist: Histogram<u64>,
+    delivery: Delivery,
+}
+
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// The running subscribers and relay.
+pub struct ZmqReaders {
+    stop: Arc<AtomicBool>,
+    bridge: Vec<std::thread::JoinHandle<SubOut>>,
+    floor: Vec<std::thread::JoinHandle<SubOut>>,
+    relay: std::thread::JoinHandle<(u64, f64)>,
+}
+
+fn subscriber(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    measuring: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<SubOut>, String> {
+    let s = ctx.socket(zmq::SUB).map_err(|e| e.to_string())?;
+    s.set_subscribe(b"").map_err(|e| e.to_string())?;
+    s.set_rcvhwm(100_000).map_err(|e| e.to_string())?;
+    s.set_rcvtimeo(100).map_err(|e| e.to_string())?;
+    s.connect(endpoint)
+        .map_err(|e| format!("{endpoint}: {e}"))?;
+    Ok(std::thread::spawn(move || {
+        let mut out = SubOut {
+            hist: Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("bounds"),
+            delivery: Delivery::default(),
+        };
+        let mut last: Option<u64> = None;
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(f) = s.recv_multipart(0) else { continue };
+            let now = crate::clock::unix_seconds();
+            if f.len() != 3 || f[1].len() != 8 {
+                continue;
+            }
+            let seq = u64::from_be_bytes(f[1][..].try_into().expect("8 bytes"));
+            let m = measuring.load(Ordering::Relaxed);
+            if let Some(l) = last {
+                if m && seq > l + 1 {
+                    out.delivery.lost += seq - l - 1;
+                } else if m && seq <= l {
+                    out.delivery.duplicates += 1;
+                }
+            }
+            last = Some(seq);
+            if !m {
+                continue;
+            }
+            out.delivery.delivered += 1;
+            if let Some(ts) = ts_of(&f[2]) {
+                let _ = out.hist.record((((now - ts) * 1e9).max(1.0)) as u64);
+            }
+        }
+        out
+    }))
+}
+
+impl ZmqReaders {
+    /// Starts `n` SUBs on `bridge_pub`, the relay on `engine_pub` and `n` SUBs on the relay.
+    pub fn start(
+        ctx: &zmq::Context,
+        n: usize,
+        bridge_pub: &str,
+        engine_pub: &str,
+        measuring: Arc<AtomicBool>,
+    ) -> Result<ZmqReaders, String> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let e = |e: zmq::Error| e.to_string();
+        let rsub = ctx.socket(zmq::SUB).map_err(e)?;
+        rsub.set_subscribe(b"").map_err(e)?;
+        rsub.set_rcvhwm(100_000).map_err(e)?;
+        rsub.set_rcvtimeo(100).map_err(e)?;
+        rsub.connect(engine_pub).map_err(e)?;
+        let rpub = ctx.socket(zmq::PUB).map_err(e)?;
+        rpub.set_sndhwm(100_000).map_err(e)?;
+        rpub.bind("tcp://127.0.0.1:*").map_err(e)?;
+        let floor_ep = rpub
+            .get_last_endpoint()
+            .map_err(e)?
+            .map_err(|_| "relay endpoint".to_string())?;
+        let (st, m) = (stop.clone(), measuring.clone());
+        let relay = std::thread::spawn(move || {
+            let (mut relayed, mut cpu, mut cpu0) = (0u64, 0.0, None);
+            while !st.load(Ordering::Relaxed) {
+                let measuring = m.load(Ordering::Relaxed);
+                match (measuring, cpu0) {
+                    (true, None) => cpu0 = Some(thread_cpu_seconds()),
+                    (false, Some(c)) => {
+                        cpu = thread_cpu_seconds() - c;
+                        cpu0 = None;
+                    }
+                    _ => {}
+                }
+                let Ok(f) = rsub.recv_multipart(0) else {
+                    continue;
+                };
+                let _ = rpub.send_multipart(f, 0);
+                if measuring {
+                    relayed += 1;
+                }
+            }
+            (relayed, cpu)
+        });
+        let mut bridge = Vec::new();
+        let mut floor = Vec::new();
+        for _ in 0..n {
+            bridge.push(subscriber(
+                ctx,
+                bridge_pub,
+                measuring.clone(),
+                stop.clone(),
+            )?);
+            floor.push(subscriber(ctx, &floor_ep, measuring.clone(), stop.clone())?);
+        }
+        Ok(ZmqReaders {
+            stop,
+            bridge,
+            floor,
+            relay,
+        })
+    }
+
+    /// Stops everything (after the measured window) and merges the figures.
+    pub fn finish(self) -> ZmqResult {
+        std::thread::sleep(Duration::from_millis(200));
+        self.stop.store(true, Ordering::SeqCst);
+        let merge = |hs: Vec<std::thread::JoinHandle<SubOut>>| {
+            let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("bounds");
+            let mut d = Delivery::default();
+            for t in hs {
+                if let Ok(o) = t.join() {
+                    let _ = h.add(&o.hist);
+                    d.delivered += o.delivery.delivered;
+                    d.lost += o.delivery.lost;
+                    d.duplicates += o.delivery.duplicates;
+                }
+            }
+            ZmqColumn {
+                latency: Latency::from_ns(&h),
+                delivery: d,
+            }
+        };
+        let subscribers = self.bridge.len();
+        let bridge = merge(self.bridge);
+        let floor = merge(self.floor);
+        let (relayed, cpu) = self.relay.join().unwrap_or((0, 0.0));
+        ZmqResult {
+            subscribers,
+            bridge,
+            floor,
+            floor_cpu_us_per_record: (relayed > 0 && cpu > 0.0).then(|| cpu * 1e6 / relayed as f64),
+        }
+    }
+}
+
+/// The column as table rows, with the bridge's CPU per published record when known.
+pub fn table(r: &ZmqResult, bridge_cpu_us_per_record: Option<f64>) -> String {
+    let mut s = format!(
+        "zmq: {} SUBs on --publish-zmq, {} on a bare relay of the same engine messages (the floor)\n",
+        r.subscribers, r.subscribers
+    );
+    s += "path        delivered      lost  dup     p50 µs     p99 µs   p99.9 µs     max µs\n";
+    for (name, c) in [("zmq", &r.bridge), ("zmq-floor", &r.floor)] {
+        s += &format!(
+            "{name:<10} {:>10} {:>9} {:>4} {:>10.1} {:>10.1} {:>10.1} {:>10.1}\n",
+            c.delivery.delivered,
+            c.delivery.lost,
+            c.delivery.duplicates,
+            c.latency.p50_us,
+            c.latency.p99_us,
+            c.latency.p999_us,
+            c.latency.max_us
+        );
+    }
+    let ratio = |a: f64, b: f64| {
+        if b > 0.0 {
+            format!("{:.2}×", a / b)
+        } else {
+            "-".into()
+        }
+    };
+    s += &format!(
+        "zmq vs floor: p50 {}, p99 {}; CPU per published record: the whole bridge {} µs, the relay thread {} µs (ZMQ I/O threads not counted)\n",
+        ratio(r.bridge.latency.p50_us, r.floor.latency.p50_us),
+        ratio(r.bridge.latency.p99_us, r.floor.latency.p99_us),
+        bridge_cpu_us_per_record.map_or("-".into(), |v| format!("{v:.2}")),
+        r.floor_cpu_us_per_record
+            .map_or("-".into(), |v| format!("{v:.2}")),
+    );
+    s
+}

@@ -1,0 +1,481 @@
+//! The engines' own ZMQ wire, re-published from the ring (`--publish-zmq`): a PUB per DP rank
+//! and, with `--publish-zmq-replay`, a replay ROUTER per rank, so that a consumer configured
+//! for the engine (Dynamo's KV router and standalone indexer, llm-d's router) reads kvbridge by
+//! changing only host and port (docs/dynamo-llm-d.md).
+//!
+//! Like the JetStream sink this edge is a reader of the ring and nothing else: each rank's
+//! publisher thread walks the rank's ring with its own [`kvbridge_shm::RingReader`], re-encodes
+//! every record as a vLLM `EventBatch` (`wire.rs`) and sends `[topic, seq, payload]`. Nothing in
+//! ingest waits for it; a PUB never blocks (a subscriber whose pipe is full loses messages, as
+//! with the engine, and replays).
+//!
+//! **Sequence numbers are the ring's.** Message `seq` carries the ring record `seq` of the
+//! rank's ring: contiguous, and continuing across engine restarts (an engine restart is an
+//! in-band clear in the ring, not a reset) and kvbridge restarts (the ring is adopted). Records
+//! the reader lost (lapped) or found corrupt become one `AllBlocksCleared` batch numbered as the
+//! last one lost, as the sink and gRPC do.
+//!
+//! **Replay** (`replay.rs`): the vLLM protocol on its own thread per rank; a start inside the
+//! ring's window gets exactly start … newest, an older one the rank's current state (the
+//! snapshot table, as gRPC late joiners get it) and then the retained tail.
+//!
+//! Ports follow the engines' rule (docs/engine-wire.md §2.2): rank r binds PORT + r.
+
+mod replay;
+pub mod wire;
+
+pub use replay::{MAX_ACTIVE, MAX_QUEUED, MAX_SNAPSHOTS, REPLY_BYTES_IN_FLIGHT};
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvbridge_shm::{ReadOutcome, SeekError};
+use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use prost::Message;
+use thiserror::Error;
+
+use crate::metrics::Metrics;
+use crate::proto::common::KvEventBatch;
+use crate::ring::RingHub;
+use crate::snapshot::RingTable;
+pub use wire::WireLayout;
+
+/// `--publish-zmq` and its companions, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublishZmqConfig {
+    /// The PUB endpoint of rank 0; rank r binds port + r.
+    pub publish: TcpEndpoint,
+    /// The replay ROUTER endpoint of rank 0, if replay is served.
+    pub replay: Option<TcpEndpoint>,
+    /// Topic frame; `None`: the engine's own topic (`--topic` / `--kv-events-config`).
+    pub topic: Option<String>,
+    /// Event encoding.
+    pub layout: WireLayout,
+}
+
+/// A `tcp://HOST:PORT` endpoint to bind (HOST may be `*`, an address or `[v6]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpEndpoint {
+    /// Host part as given.
+    pub host: String,
+    /// Port of rank 0 (0: an ephemeral port for every rank).
+    pub port: u16,
+}
+
+impl TcpEndpoint {
+    /// Parses `tcp://HOST:PORT`; the error is one line naming `flag`.
+    pub fn parse(flag: &str, s: &str) -> Result<TcpEndpoint, String> {
+        let rest = s.strip_prefix("tcp://").ok_or_else(|| {
+            format!(
+                "--{flag} {s:?}: must be tcp://HOST:PORT (kvbridge binds it, rank r on PORT + r)"
+            )
+        })?;
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or_else(|| format!("--{flag} {s:?}: no port (tcp://HOST:PORT)"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| format!("--{flag} {s:?}: the port must be a number from 0 to 65535"))?;
+        if host.is_empty() {
+            return Err(format!(
+                "--{flag} {s:?}: no host (use * or 0.0.0.0 for every interface)"
+            ));
+        }
+        Ok(TcpEndpoint {
+            host: host.to_string(),
+            port,
+        })
+    }
+
+    /// The endpoint rank `rank` binds (port 0 stays ephemeral).
+    fn for_rank(&self, rank: u32) -> String {
+        if self.port == 0 {
+            format!("tcp://{}:*", self.host)
+        } else {
+            format!("tcp://{}:{}", self.host, u32::from(self.port) + rank)
+        }
+    }
+}
+
+impl PublishZmqConfig {
+    /// Checks the ports of `ranks` ranks: every one fits, and no rank's PUB port is another
+    /// rank's replay port (the clash the engines' own PORT + 1 replay default invites).
+    pub fn check_ranks(&self, ranks: u32) -> Result<(), String> {
+        let last = ranks.saturating_sub(1);
+        let fits = |flag: &str, e: &TcpEndpoint| {
+            if e.port != 0 && u32::from(e.port) + last > 65535 {
+                Err(format!(
+                    "--{flag}: port {} + rank {last} is beyond 65535",
+                    e.port
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        fits("publish-zmq", &self.publish)?;
+        if let Some(r) = &self.replay {
+            fits("publish-zmq-replay", r)?;
+            let (p, q) = (u32::from(self.publish.port), u32::from(r.port));
+            if p != 0 && q != 0 && p.max(q) - p.min(q) < ranks && self.publish.host == r.host {
+                return Err(format!(
+                    "--publish-zmq port {p} and --publish-zmq-replay port {q}: with {ranks} rank(s) \
+                     the ranges {p}..{} and {q}..{} overlap; keep them {ranks} or more apart",
+                    p + last,
+                    q + last
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Starting the edge failed (a port taken, an endpoint ZMQ refuses): one line.
+#[derive(Debug, Error)]
+#[error("{flag} {endpoint}: cannot bind: {why}")]
+pub struct PublishZmqError {
+    flag: &'static str,
+    endpoint: String,
+    why: String,
+}
+
+/// The edge's metrics, registered in the process registry.
+#[derive(Clone)]
+pub(crate) struct ZmqMetrics {
+    published: IntCounterVec,
+    published_bytes: IntCounterVec,
+    cleared: IntCounterVec,
+    replay_requests: IntCounterVec,
+    snapshot_replays: IntCounterVec,
+    replay_bytes: IntCounterVec,
+    replays_active: IntGaugeVec,
+    replays_queued: IntGaugeVec,
+}
+
+impl ZmqMetrics {
+    fn new(m: &Metrics) -> Self {
+        let r = &m.registry;
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            let _ = r.register(Box::new(c.clone()));
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["rank"]).expect("valid metric");
+            let _ = r.register(Box::new(g.clone()));
+            g
+        };
+        ZmqMetrics {
+            published: counter(
+                "zmq_published_total",
+                "Batches published on the engine ZMQ wire (one per ring record)",
+                &["rank"],
+            ),
+            published_bytes: counter(
+                "zmq_published_bytes_total",
+                "Payload bytes published on the engine ZMQ wire",
+                &["rank"],
+            ),
+            cleared: counter(
+                "zmq_cleared_total",
+                "AllBlocksCleared batches the ZMQ edge published for records it could not read from the ring",
+                &["rank", "cause"],
+            ),
+            replay_requests: counter(
+                "zmq_replay_requests_total",
+                "Replay requests by outcome: window (start..newest from the ring), state (snapshot or clear, then the ring), future (end marker only), incomplete (peer gone or ring lapped mid-replay), malformed and busy (dropped unanswered)",
+                &["rank", "outcome"],
+            ),
+            snapshot_replays: counter(
+                "zmq_snapshot_replays_total",
+                "Replays that began with the rank's live block table (snapshot)",
+                &["rank"],
+            ),
+            replay_bytes: counter(
+                "zmq_replay_bytes_total",
+                "Payload bytes sent in replay replies",
+                &["rank"],
+            ),
+            replays_active: gauge("zmq_replays_active", "Replays being sent"),
+            replays_queued: gauge(
+                "zmq_replays_queued",
+                "Replay requests waiting for a free replay slot",
+            ),
+        }
+    }
+}
+
+/// What one rank's edge reads.
+pub struct RankSource {
+    /// Engine DP rank (sets the port offset and the batch's rank).
+    pub rank: u32,
+    /// The rank's ring (the merged ring when there is one rank).
+    pub hub: Arc<RingHub>,
+    /// The ring's snapshot table, if kept (`--snapshot` not off).
+    pub table: Option<Arc<RingTable>>,
+}
+
+/// The running edge: its threads and their stop flag.
+pub struct ZmqPublisher {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// What each rank bound: (rank, PUB endpoint, replay endpoint).
+    pub bound: Vec<(u32, String, Option<String>)>,
+}
+
+/// How long a publisher thread sleeps on the ring's futex before it looks at its stop flag.
+const WAIT: Duration = Duration::from_millis(200);
+
+fn bind(
+    ctx: &zmq::Context,
+    kind: zmq::SocketType,
+    flag: &'static str,
+    endpoint: &str,
+) -> Result<(zmq::Socket, String), PublishZmqError> {
+    let err = |e: zmq::Error| PublishZmqError {
+        flag,
+        endpoint: endpoint.to_string(),
+        why: e.to_string(),
+    };
+    let s = ctx.socket(kind).map_err(err)?;
+    s.set_linger(0).map_err(err)?;
+    if kind == zmq::PUB {
+        // The engines' own default (docs/engine-wire.md §1).
+        s.set_sndhwm(100_000).map_err(err)?;
+    }
+    s.bind(endpoint).map_err(err)?;
+    let bound = s
+        .get_last_endpoint()
+        .map_err(err)?
+        .unwrap_or_else(|_| endpoint.to_string());
+    Ok((s, bound))
+}
+
+impl ZmqPublisher {
+    /// Binds every rank's sockets (an error before anything runs) and starts the threads.
+    /// `engine_topic` is the topic used unless `--publish-zmq-topic` is given.
+    pub fn start(
+        cfg: &PublishZmqConfig,
+        engine_topic: &str,
+        ranks: Vec<RankSource>,
+        metrics: &Metrics,
+    ) -> Result<ZmqPublisher, PublishZmqError> {
+        let ctx = zmq::Context::new();
+        let zm = ZmqMetrics::new(metrics);
+        let topic = cfg
+            .topic
+            .clone()
+            .unwrap_or_else(|| engine_topic.to_string());
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut sockets = Vec::new();
+        let mut bound = Vec::new();
+        for r in &ranks {
+            let (pub_sock, pub_at) = bind(
+                &ctx,
+                zmq::PUB,
+                "--publish-zmq",
+                &cfg.publish.for_rank(r.rank),
+            )?;
+            let router = match &cfg.replay {
+                Some(e) => {
+                    let (s, at) = bind(
+                        &ctx,
+                        zmq::ROUTER,
+                        "--publish-zmq-replay",
+                        &e.for_rank(r.rank),
+                    )?;
+                    replay::configure(&s, r.hub.as_ref()).map_err(|e| PublishZmqError {
+                        flag: "--publish-zmq-replay",
+                        endpoint: at.clone(),
+                        why: e.to_string(),
+                    })?;
+                    Some((s, at))
+                }
+                None => None,
+            };
+            tracing::info!(rank = r.rank, publish = %pub_at,
+                replay = %router.as_ref().map_or("off", |(_, a)| a.as_str()),
+                ring = r.hub.label(), layout = ?cfg.layout, topic = %topic,
+                "publishing on the engine ZMQ wire");
+            bound.push((r.rank, pub_at, router.as_ref().map(|(_, a)| a.clone())));
+            sockets.push((pub_sock, router));
+        }
+        let mut threads = Vec::new();
+        for (r, (pub_sock, router)) in ranks.into_iter().zip(sockets) {
+            let p = Publisher {
+                rank: r.rank,
+                hub: r.hub.clone(),
+                sock: pub_sock,
+                topic: topic.clone().into_bytes(),
+                layout: cfg.layout,
+                metrics: zm.clone(),
+                stop: stop.clone(),
+            };
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("zmq-pub-{}", r.rank))
+                    .spawn(move || p.run())
+                    .expect("spawn the ZMQ publisher thread"),
+            );
+            if let Some((sock, _)) = router {
+                let s = replay::Server::new(
+                    r,
+                    sock,
+                    topic.clone().into_bytes(),
+                    cfg.layout,
+                    zm.clone(),
+                    stop.clone(),
+                );
+                threads.push(
+                    std::thread::Builder::new()
+                        .name("zmq-replay".into())
+                        .spawn(move || s.run())
+                        .expect("spawn the ZMQ replay thread"),
+                );
+            }
+        }
+        Ok(ZmqPublisher {
+            stop,
+            threads,
+            bound,
+        })
+    }
+
+    /// Stops every thread and closes the sockets.
+    pub fn shutdown(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The message `seq` frame: 8 bytes, big-endian.
+fn seq_frame(seq: u64) -> [u8; 8] {
+    seq.to_be_bytes()
+}
+
+/// What one ring record becomes on the wire.
+pub(crate) enum Translated {
+    /// The payload of record `seq` (its events re-encoded).
+    Batch,
+    /// The record could not be decoded: an `AllBlocksCleared` stands in for it.
+    Undecodable,
+}
+
+/// Re-encodes ring record `bytes` for rank `rank` into `out`.
+pub(crate) fn translate(
+    bytes: &[u8],
+    rank: u32,
+    layout: WireLayout,
+    out: &mut Vec<u8>,
+) -> Translated {
+    match KvEventBatch::decode(bytes) {
+        Ok(b) => {
+            wire::encode_batch(&b, i64::from(rank), layout, out);
+            Translated::Batch
+        }
+        Err(_) => {
+            wire::encode_cleared(crate::clock::unix_seconds(), i64::from(rank), layout, out);
+            Translated::Undecodable
+        }
+    }
+}
+
+/// One rank's live publisher.
+struct Publisher {
+    rank: u32,
+    hub: Arc<RingHub>,
+    sock: zmq::Socket,
+    topic: Vec<u8>,
+    layout: WireLayout,
+    metrics: ZmqMetrics,
+    stop: Arc<AtomicBool>,
+}
+
+impl Publisher {
+    fn run(self) {
+        let rank = self.rank.to_string();
+        let published = self.metrics.published.with_label_values(&[&rank]);
+        let bytes = self.metrics.published_bytes.with_label_values(&[&rank]);
+        let mut reader = self.hub.reader();
+        // Live from now on: earlier records are what replay is for.
+        let mut next = self.hub.newest() + 1;
+        let _ = reader.seek(next);
+        let mut record = Vec::new();
+        let mut payload = Vec::new();
+        while !self.stop.load(Ordering::Relaxed) && self.hub.failure().is_none() {
+            if reader.position() != next {
+                if let Err(SeekError::TooOld { oldest, .. }) = reader.seek(next) {
+                    self.clear(oldest - 1, "ring_lapped", &mut payload);
+                    next = oldest;
+                    continue;
+                }
+            }
+            let seq = match reader.next_blocking(WAIT) {
+                ReadOutcome::Record(v) => {
+                    let seq = v.seq();
+                    if !v.copy_to(&mut record) {
+                        continue; // overwritten during the copy: the seek reports it
+                    }
+                    seq
+                }
+                ReadOutcome::Lapped { resume_at, .. } => {
+                    self.clear(resume_at - 1, "ring_lapped", &mut payload);
+                    next = resume_at;
+                    continue;
+                }
+                ReadOutcome::Corrupt { seq, resume_at } => {
+                    self.hub.note_corrupt(seq);
+                    self.clear(seq, "corrupt", &mut payload);
+                    next = resume_at;
+                    continue;
+                }
+                ReadOutcome::Empty | ReadOutcome::WriterGone => continue,
+                ReadOutcome::RingReset { .. } => {
+                    next = reader.position();
+                    self.clear(next.saturating_sub(1), "ring_replaced", &mut payload);
+                    continue;
+                }
+                ReadOutcome::Truncated => break,
+            };
+            next = seq + 1;
+            if let Translated::Undecodable =
+                translate(&record, self.rank, self.layout, &mut payload)
+            {
+                self.metrics
+                    .cleared
+                    .with_label_values(&[&rank, "undecodable"])
+                    .inc();
+            }
+            self.send(seq, &payload);
+            published.inc();
+            bytes.inc_by(payload.len() as u64);
+        }
+    }
+
+    /// Publishes an `AllBlocksCleared` numbered `seq` for records this reader could not read.
+    fn clear(&self, seq: u64, cause: &str, payload: &mut Vec<u8>) {
+        tracing::warn!(rank = self.rank, seq, cause,
+            "ring records were never published on the ZMQ wire: publishing an AllBlocksCleared in their place");
+        self.metrics
+            .cleared
+            .with_label_values(&[&self.rank.to_string(), cause])
+            .inc();
+        wire::encode_cleared(
+            crate::clock::unix_seconds(),
+            i64::from(self.rank),
+            self.layout,
+            payload,
+        );
+        self.send(seq, payload);
+    }
+
+    fn send(&self, seq: u64, payload: &[u8]) {
+        let frames: [&[u8]; 3] = [&self.topic, &seq_frame(seq), payload];
+        // A PUB never blocks; an error here is a closed context at shutdown.
+        if let Err(e) = self.sock.send_multipart(frames, 0) {
+            tracing::debug!(rank = self.rank, error = %e, "ZMQ publish failed");
+        }
+    }
+}
