@@ -1352,3 +1352,215 @@ async fn two_hundred_streaming_calls_for_30_s_with_a_subscriber() {
     assert!(completed >= 200, "{completed} calls completed");
     s.bridge.stop();
 }
+
+// ---- The buffer budgets: what clients that never read can make kvbridge hold ----
+
+/// The budgets both "never reads" tests run with: 16 MiB per client connection (2 MiB of it
+/// the connection's request window, the rest 112 stream shares of 128 KiB), 40 MiB in all; a
+/// stalled stream is reset after 1 s while another waits for a share.
+const BUDGET_FLAGS: [&str; 6] = [
+    "--sidecar-connection-buffer",
+    "16MiB",
+    "--sidecar-buffer",
+    "40MiB",
+    "--sidecar-stall-timeout-ms",
+    "1000",
+];
+const BUDGET_KIB: u64 = 40 << 10;
+/// Streams the budget lets through at once with [`HOSTILE`] connections (and the test's own
+/// channel) open: 40 MiB less four 2 MiB windows, in 128 KiB shares.
+const ADMITTED: u64 = (40 - 4 * 2) * 8;
+/// Hostile connections per test.
+const HOSTILE: usize = 3;
+
+/// A raw HTTP/2 client connection to kvbridge with h2's default settings (64 KiB windows), its
+/// connection driven in the background, its calls' responses never read; closed when dropped.
+struct RawConn {
+    send: h2::client::SendRequest<Bytes>,
+    task: tokio::task::JoinHandle<()>,
+    calls: Vec<(h2::client::ResponseFuture, h2::SendStream<Bytes>)>,
+}
+
+impl Drop for RawConn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawConn {
+    async fn open(addr: SocketAddr) -> RawConn {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::handshake(tcp).await.expect("HTTP/2 handshake");
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        RawConn {
+            send,
+            task,
+            calls: Vec::new(),
+        }
+    }
+
+    /// Starts `method` with `body` as its request (sent as fast as kvbridge takes it) and
+    /// `grpc-timeout: 60S`; the response is never read.
+    async fn call(&mut self, method: &str, body: Bytes) {
+        let req = http::Request::post(format!("http://kvbridge/{VLLM}/{method}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("grpc-timeout", "60S")
+            .body(())
+            .unwrap();
+        let mut send = self.send.clone().ready().await.expect("stream slot");
+        let (resp, mut stream) = send.send_request(req, false).expect("request sent");
+        stream.send_data(body, true).expect("request body queued");
+        self.calls.push((resp, stream));
+    }
+}
+
+/// `open` starts the hostile connections' calls; then, while they stay open: health checks
+/// through kvbridge all answer within 2 s, a subscriber gets the batches published around the
+/// attack, contiguous, and a legitimate forwarded call completes (once stalled streams are
+/// reset for it). Peak resident memory grows by less than the budget plus 24 MiB. After the
+/// clients leave, every byte of the budget they took is returned and resident memory falls back
+/// to within [`RSS_SLACK_KIB`] of the baseline. Returns the peak growth and the resident memory
+/// after the clients left, over the baseline, in KiB.
+async fn hostile_clients_are_held_to_the_budget<F>(
+    s: &Sidecar,
+    open: impl FnOnce(SocketAddr) -> F,
+    started: impl Fn() -> u64,
+) -> (u64, i64)
+where
+    F: std::future::Future<Output = Vec<RawConn>>,
+{
+    let reserved = || {
+        metric(
+            &scrape(s.metrics),
+            "kvbridge_proxy_buffer_reserved_bytes",
+            &[],
+        )
+    };
+    let ch = channel(&s.bridge.url()).await;
+    unary(&ch, VLLM, "Echo", Request::new(Bytes::from_static(b"warm")))
+        .await
+        .expect("engine up");
+    let mut sub = live_subscription(s, &ch).await;
+    let pid = s.bridge.child.id();
+    let (rss_before, peak_before, reserved_before) = (
+        status_kib(pid, "VmRSS"),
+        status_kib(pid, "VmHWM"),
+        reserved(),
+    );
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let checks = tokio::spawn(slowest_health_check(ch.clone(), stopped));
+    s.zmq.publish(layout(0), vec![store(910_001, 1, None)], 0);
+    let conns = open(s.bridge.grpc).await;
+    wait_until("the budget's worth of calls reaching the engine", || {
+        started() >= ADMITTED
+    })
+    .await;
+    tokio::time::timeout(T, generate_and_check(&ch, 20, 200))
+        .await
+        .expect("a legitimate call during the attack completes");
+    s.zmq.publish(layout(0), vec![store(910_002, 1, None)], 0);
+    stop.send_replace(true);
+    let worst = checks.await.unwrap();
+    let grew = status_kib(pid, "VmHWM").saturating_sub(peak_before);
+    assert!(
+        grew < BUDGET_KIB + (24 << 10),
+        "peak resident memory grew by {grew} KiB with a {BUDGET_KIB} KiB budget"
+    );
+    assert!(
+        worst < Duration::from_secs(2),
+        "slowest health check {worst:?}"
+    );
+    expect_batches(&mut sub, 2).await;
+    let page = scrape(s.metrics);
+    assert!(
+        metric(
+            &page,
+            "kvbridge_proxy_buffer_events_total",
+            &[("event", "stall_reset")]
+        ) >= 1.0,
+        "stalled streams were reset for the waiting call"
+    );
+
+    drop(conns);
+    wait_until("the hostile connections' budget returned", || {
+        reserved() == reserved_before
+    })
+    .await;
+    // The memory goes back to the system (kvbridge trims the heap when such a connection
+    // closes; glibc would keep it otherwise).
+    let after = || status_kib(pid, "VmRSS") as i64 - rss_before as i64;
+    wait_until("resident memory back near the baseline", || {
+        after() < RSS_SLACK_KIB
+    })
+    .await;
+    (grew, after())
+}
+
+/// How far above its resident memory before an attack kvbridge may stay after it.
+const RSS_SLACK_KIB: i64 = 12 << 10;
+
+/// Clients that never read their responses (issue 21: before, 1.15 MiB held per stream; 400
+/// streams on one connection → 477 MiB, kept after the client left): three connections of 400
+/// `Generate` streams of 1.25 MiB each, with h2's default 64 KiB windows, never read. kvbridge
+/// holds at most the budget (40 MiB here) while health checks, a subscriber and a legitimate
+/// call go on; after they leave, every reserved byte is returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_are_held_to_the_buffer_budget() {
+    let s = sidecar(&BUDGET_FLAGS).await;
+    let request = grpc_engine::frame(&generate_request(40, 32 << 10));
+    let stats = s.engine.stats.clone();
+    let (grew, after) = hostile_clients_are_held_to_the_budget(
+        &s,
+        |addr| async move {
+            let mut conns = Vec::new();
+            for _ in 0..HOSTILE {
+                let mut c = RawConn::open(addr).await;
+                for _ in 0..400 {
+                    c.call("Generate", request.clone()).await;
+                }
+                conns.push(c);
+            }
+            conns
+        },
+        || stats.generates.load(Ordering::Relaxed),
+    )
+    .await;
+    eprintln!("never-reading clients: peak RSS +{grew} KiB, after they left {after:+} KiB");
+    s.bridge.stop();
+}
+
+/// Clients uploading to an engine that does not read (`Slow` never reads its request; the
+/// engine's stream window is 64 KiB): three connections of 200 calls each sending a 2 MiB
+/// message. Before, a connection could make kvbridge hold its whole 64 MiB window plus a chunk
+/// per stream on each side; now the same bounds as for responses hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_to_an_engine_that_does_not_read_are_held_to_the_buffer_budget() {
+    let engine = GrpcEngine::start("127.0.0.1:0".parse().unwrap()).await;
+    engine.stats.stream_window.store(64 << 10, Ordering::SeqCst);
+    let target = engine.addr.to_string();
+    let s = sidecar_with(tempfile::tempdir().unwrap(), engine, &target, &BUDGET_FLAGS).await;
+    let upload = grpc_engine::frame(&vec![7u8; 2 << 20]);
+    let stats = s.engine.stats.clone();
+    let (grew, after) = hostile_clients_are_held_to_the_budget(
+        &s,
+        |addr| async move {
+            let mut conns = Vec::new();
+            for _ in 0..HOSTILE {
+                let mut c = RawConn::open(addr).await;
+                for _ in 0..200 {
+                    c.call("Slow", upload.clone()).await;
+                }
+                conns.push(c);
+            }
+            conns
+        },
+        || stats.slows.load(Ordering::Relaxed),
+    )
+    .await;
+    eprintln!("uploads to an engine that does not read: peak RSS +{grew} KiB, after they left {after:+} KiB");
+    s.bridge.stop();
+}
