@@ -2163,6 +2163,21 @@ mod tests {
                 "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 0",
                 "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 250",
             ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --sidecar-connection-buffer 16MiB",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-connection-buffer = \"16MiB\"",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-connection-buffer = 33554432",
+            ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --sidecar-buffer 2GiB",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-buffer = \"2GiB\"",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-buffer = \"512MiB\"",
+            ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --sidecar-stall-timeout-ms 0",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-stall-timeout-ms = 0",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-stall-timeout-ms = 5000",
+            ),
         ]
     }
 

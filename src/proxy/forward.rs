@@ -9,7 +9,7 @@
 //! | deadline | `grpc-timeout` is metadata like any other: the engine enforces it and answers with its own status |
 //! | cancellation | a client that resets drops the upstream response and request bodies, which resets the engine's stream; an engine that resets ends the client's call with the status its reset means |
 //! | failure | no connection: `UNAVAILABLE` naming the engine, as a trailers-only response |
-//! | buffering | the call goes to the engine once it has a share of the buffer budgets (`budget.rs`); each side is given flow-control capacity back only as the other accepts the bytes; a response stalled with its client taking nothing while other streams wait for a share is reset after `--sidecar-stall-timeout-ms` |
+//! | buffering | the call goes to the engine once it has a share of the buffer budgets (`budget.rs`); each side is given flow-control capacity back only as the other accepts the bytes; a call that moves no byte it owes (a response its client does not take, a request unfinished) for `--sidecar-stall-timeout-ms` while other streams wait for a share is ended `RESOURCE_EXHAUSTED` |
 
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
