@@ -1,4 +1,4 @@
-//! Sidecar mode (issue 9), side by side in one run: the same test engine (`tests/common/
+//! Sidecar mode, side by side in one run: the same test engine (`tests/it/common/
 //! grpc_engine.rs`, in this process) reached directly, through three floors and through
 //! `kvbridge serve --engine-grpc` (the release binary, a child process).
 //!

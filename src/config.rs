@@ -1076,6 +1076,16 @@ impl NatsArgs {
 pub const DEFAULT_LOAD_INTERVAL_MS: u64 = 500;
 /// Longest `--load-interval-ms`.
 pub const MAX_LOAD_INTERVAL_MS: u64 = 3_600_000;
+/// Default `--sidecar-connection-buffer`: what kvbridge may hold for one client connection's
+/// forwarded streams. With the sidecar's windows (`proxy::Budgets`), 128 MiB lets one connection
+/// (a gateway's) have about 900 forwarded streams moving at once.
+pub const DEFAULT_SIDECAR_CONNECTION_BUFFER: u64 = 128 << 20;
+/// Default `--sidecar-buffer`: what kvbridge may hold for all client connections together.
+pub const DEFAULT_SIDECAR_BUFFER: u64 = 1 << 30;
+/// Smallest `--sidecar-connection-buffer`: room for a few streams besides the upload window.
+pub const MIN_SIDECAR_CONNECTION_BUFFER: u64 = 1 << 20;
+/// Default `--sidecar-stall-timeout-ms`.
+pub const DEFAULT_SIDECAR_STALL_TIMEOUT_MS: u64 = 30_000;
 /// HTTP/2 max concurrent streams per client connection in sidecar mode when
 /// `--max-streams-per-connection` is not given: gRPC servers (grpcio, which vLLM and SGLang
 /// serve with) advertise no limit, and kvbridge must never advertise a lower one than the engine
@@ -1101,6 +1111,20 @@ concern! {
         /// ask for them (0 = off).
         #[arg(long, value_name = "MS")]
         pub load_interval_ms: Option<u64>,
+        /// Most bytes kvbridge holds for one client connection's forwarded calls, both directions
+        /// (e.g. `128MiB`): each forwarded stream takes its share while it lasts, and a stream
+        /// that finds none left waits for one (HTTP/2 flow control holds back the peers).
+        #[arg(long, value_name = "SIZE")]
+        pub sidecar_connection_buffer: Option<ByteSize>,
+        /// Most bytes kvbridge holds for all client connections' forwarded calls together
+        /// (e.g. `1GiB`); at least --sidecar-connection-buffer.
+        #[arg(long, value_name = "SIZE")]
+        pub sidecar_buffer: Option<ByteSize>,
+        /// A forwarded call that moves no byte for this long while it is owed some (a response
+        /// its client does not take, a request the engine does not read or the client does not
+        /// finish) is reset (RESOURCE_EXHAUSTED) if other calls wait for buffer space; 0 = never.
+        #[arg(long, value_name = "MS")]
+        pub sidecar_stall_timeout_ms: Option<u64>,
     }
 }
 
@@ -1135,6 +1159,13 @@ pub struct ProxyConfig {
     pub tls_ca: Option<Vec<u8>>,
     /// GetLoads polling period; `None` = off.
     pub load_interval: Option<Duration>,
+    /// Most bytes held for one client connection's forwarded streams.
+    pub connection_buffer: u64,
+    /// Most bytes held for all client connections' forwarded streams.
+    pub buffer: u64,
+    /// How long a forwarded call that moves nothing may keep its share while others wait;
+    /// `None` = for ever.
+    pub stall_timeout: Option<Duration>,
 }
 
 /// Parses `--engine-grpc`: `[scheme://]HOST:PORT`, an IPv6 host in brackets.
@@ -1170,10 +1201,15 @@ pub fn parse_engine_grpc(text: &str) -> Result<EngineGrpc, String> {
 
 impl ProxyArgs {
     fn validate(self) -> Result<Option<ProxyConfig>, ConfigError> {
-        let Some(text) = self.engine_grpc else {
-            if self.load_interval_ms.is_some() || self.engine_tls_ca.is_some() {
+        let Some(text) = self.engine_grpc.clone() else {
+            if self.load_interval_ms.is_some()
+                || self.engine_tls_ca.is_some()
+                || self.sidecar_connection_buffer.is_some()
+                || self.sidecar_buffer.is_some()
+                || self.sidecar_stall_timeout_ms.is_some()
+            {
                 return Err(invalid(
-                    "--load-interval-ms and --engine-tls-ca need --engine-grpc (sidecar mode)",
+                    "--load-interval-ms, --engine-tls-ca and --sidecar-* need --engine-grpc (sidecar mode)",
                 ));
             }
             return Ok(None);
@@ -1201,11 +1237,53 @@ impl ProxyArgs {
                 "--load-interval-ms {ms}: must be at most an hour ({MAX_LOAD_INTERVAL_MS}); 0 turns polling off"
             )));
         }
+        let (connection_buffer, buffer) = self.buffers()?;
+        let stall = self
+            .sidecar_stall_timeout_ms
+            .unwrap_or(DEFAULT_SIDECAR_STALL_TIMEOUT_MS);
+        if stall > MAX_LOAD_INTERVAL_MS {
+            return Err(invalid(format!(
+                "--sidecar-stall-timeout-ms {stall}: must be at most an hour ({MAX_LOAD_INTERVAL_MS}); 0 = never"
+            )));
+        }
         Ok(Some(ProxyConfig {
             engine,
             tls_ca,
             load_interval: (ms > 0).then(|| Duration::from_millis(ms)),
+            connection_buffer,
+            buffer,
+            stall_timeout: (stall > 0).then(|| Duration::from_millis(stall)),
         }))
+    }
+
+    /// `--sidecar-connection-buffer` and `--sidecar-buffer`, checked against each other.
+    fn buffers(&self) -> Result<(u64, u64), ConfigError> {
+        let size = |v: &Option<ByteSize>, name: &str, default: u64| {
+            v.as_ref().map_or(Ok(default), |b| b.bytes(name))
+        };
+        let conn = size(
+            &self.sidecar_connection_buffer,
+            "sidecar-connection-buffer",
+            DEFAULT_SIDECAR_CONNECTION_BUFFER,
+        )?;
+        let total = size(
+            &self.sidecar_buffer,
+            "sidecar-buffer",
+            DEFAULT_SIDECAR_BUFFER,
+        )?;
+        // The budgets are counted in a semaphore of u32 permits per KiB (`proxy::Budgets`).
+        let most = u64::from(u32::MAX) << 10;
+        if !(MIN_SIDECAR_CONNECTION_BUFFER..=most).contains(&conn) {
+            return Err(invalid(format!(
+                "--sidecar-connection-buffer {conn} bytes: must be between 1MiB and 4TiB"
+            )));
+        }
+        if total < conn || total > most {
+            return Err(invalid(format!(
+                "--sidecar-buffer {total} bytes: must be at least --sidecar-connection-buffer ({conn} bytes) and at most 4TiB"
+            )));
+        }
+        Ok((conn, total))
     }
 }
 
@@ -1757,6 +1835,66 @@ mod tests {
     }
 
     #[test]
+    fn sidecar_buffer_budgets_are_checked() {
+        let sidecar = |extra: &[&str]| {
+            let mut argv = vec!["--zmq", "tcp://*:1", "--engine-grpc", "h:1"];
+            argv.extend_from_slice(extra);
+            flags(&argv).resolve()
+        };
+        let p = sidecar(&[]).unwrap().proxy.unwrap();
+        assert_eq!(p.connection_buffer, DEFAULT_SIDECAR_CONNECTION_BUFFER);
+        assert_eq!(p.buffer, DEFAULT_SIDECAR_BUFFER);
+        assert_eq!(
+            p.stall_timeout,
+            Some(Duration::from_millis(DEFAULT_SIDECAR_STALL_TIMEOUT_MS))
+        );
+        let p = sidecar(&[
+            "--sidecar-connection-buffer",
+            "16MiB",
+            "--sidecar-buffer",
+            "40MiB",
+            "--sidecar-stall-timeout-ms",
+            "0",
+        ])
+        .unwrap()
+        .proxy
+        .unwrap();
+        assert_eq!((p.connection_buffer, p.buffer), (16 << 20, 40 << 20));
+        assert_eq!(p.stall_timeout, None);
+        for (bad, names) in [
+            (
+                &["--sidecar-connection-buffer", "512KiB"][..],
+                "--sidecar-connection-buffer",
+            ),
+            (
+                &["--sidecar-connection-buffer", "lots"][..],
+                "--sidecar-connection-buffer",
+            ),
+            (
+                &[
+                    "--sidecar-connection-buffer",
+                    "64MiB",
+                    "--sidecar-buffer",
+                    "32MiB",
+                ][..],
+                "--sidecar-buffer",
+            ),
+            (
+                &["--sidecar-stall-timeout-ms", "3600001"][..],
+                "--sidecar-stall-timeout-ms",
+            ),
+        ] {
+            let e = sidecar(bad).unwrap_err().to_string();
+            assert!(e.contains(names) && !e.contains('\n'), "{bad:?}: {e}");
+        }
+        let e = flags(&["--zmq", "tcp://*:1", "--sidecar-buffer", "1GiB"])
+            .resolve()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--engine-grpc"), "{e}");
+    }
+
+    #[test]
     fn unknown_toml_keys_are_rejected_by_name() {
         let dir = tempfile::tempdir().unwrap();
         let base = "zmq = [\"tcp://*:5557\"]\n";
@@ -2079,6 +2217,21 @@ mod tests {
                 "--engine-grpc 127.0.0.1:50051 --load-interval-ms 0",
                 "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 0",
                 "engine-grpc = \"127.0.0.1:50051\"\nload-interval-ms = 250",
+            ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --sidecar-connection-buffer 16MiB",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-connection-buffer = \"16MiB\"",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-connection-buffer = 33554432",
+            ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --sidecar-buffer 2GiB",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-buffer = \"2GiB\"",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-buffer = \"512MiB\"",
+            ),
+            row(
+                "--engine-grpc 127.0.0.1:50051 --sidecar-stall-timeout-ms 0",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-stall-timeout-ms = 0",
+                "engine-grpc = \"127.0.0.1:50051\"\nsidecar-stall-timeout-ms = 5000",
             ),
         ]
     }

@@ -111,6 +111,15 @@ pub fn serve_defaults() -> Vec<(&'static str, String)> {
         ),
         // Sidecar.
         ("load_interval_ms", DEFAULT_LOAD_INTERVAL_MS.to_string()),
+        (
+            "sidecar_connection_buffer",
+            bytes_text(DEFAULT_SIDECAR_CONNECTION_BUFFER),
+        ),
+        ("sidecar_buffer", bytes_text(DEFAULT_SIDECAR_BUFFER)),
+        (
+            "sidecar_stall_timeout_ms",
+            DEFAULT_SIDECAR_STALL_TIMEOUT_MS.to_string(),
+        ),
     ]
 }
 

@@ -538,6 +538,12 @@ pub struct ProxyMetrics {
     pub headers_latency: Histogram,
     /// `GetLoads` polls, by outcome (`ok`, `failed`, `undecodable`).
     pub load_polls: IntCounterVec,
+    /// Bytes of the sidecar's buffer budget (`--sidecar-buffer`) taken by client connections'
+    /// windows and forwarded streams' shares.
+    pub buffer_reserved: IntGauge,
+    /// Forwarded streams that waited for a share of the buffer budget (`waited`), and streams
+    /// reset because their client took nothing while others waited (`stall_reset`).
+    pub buffer_events: IntCounterVec,
 }
 
 impl ProxyMetrics {
@@ -596,6 +602,16 @@ impl ProxyMetrics {
                 "proxy_load_polls_total",
                 "GetLoads polls of the engine, by outcome",
                 &["outcome"],
+            ),
+            buffer_reserved: int_gauge(
+                "proxy_buffer_reserved_bytes",
+                "Sidecar buffer budget taken by client connection windows and forwarded streams",
+            ),
+            buffer_events: counter(
+                r,
+                "proxy_buffer_events_total",
+                "Forwarded streams that waited for buffer budget (waited) or were reset for taking nothing while others waited (stall_reset)",
+                &["event"],
             ),
         }
     }

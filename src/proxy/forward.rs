@@ -9,6 +9,7 @@
 //! | deadline | `grpc-timeout` is metadata like any other: the engine enforces it and answers with its own status |
 //! | cancellation | a client that resets drops the upstream response and request bodies, which resets the engine's stream; an engine that resets ends the client's call with the status its reset means |
 //! | failure | no connection: `UNAVAILABLE` naming the engine, as a trailers-only response |
+//! | buffering | the call goes to the engine once it has a share of the buffer budgets (`budget.rs`); each side is given flow-control capacity back only as the other accepts the bytes; a call that moves no byte it owes (a response its client does not take, a request unfinished) for `--sidecar-stall-timeout-ms` while other streams wait for a share is ended `RESOURCE_EXHAUSTED` |
 
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
@@ -21,6 +22,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::{Code, Status};
 
+use super::budget::{ConnectionBudget, Share};
 use super::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
 use super::upstream::{EngineState, Upstream};
 use crate::metrics::Metrics;
@@ -32,6 +34,7 @@ use crate::metrics::Metrics;
 pub(crate) async fn forward(
     upstream: &Upstream,
     metrics: &Arc<Metrics>,
+    budget: &ConnectionBudget,
     req: Request<h2::RecvStream>,
     mut respond: h2::server::SendResponse<Bytes>,
 ) {
@@ -80,19 +83,27 @@ pub(crate) async fn forward(
     };
     let mut down = std::pin::pin!(down);
     let ready = async {
+        // Nothing goes to the engine before the stream has its share of the buffer budgets.
+        let share = budget.share().await;
         let sender = upstream.sender().await?;
         sender
             .ready()
             .await
+            .map(|s| (share, s))
             .map_err(|e| upstream_error(upstream.address(), &e))
     };
-    let mut sender = tokio::select! {
+    let (share, mut sender) = tokio::select! {
         biased;
         r = ready => match r {
             Ok(s) => s,
             Err(status) => return finish_early(metrics, &method, respond, status),
         },
         status = &mut down => return finish_early(metrics, &method, respond, status),
+        // The client went away while the call waited (for a share, or a connection).
+        _ = poll_fn(|cx| respond.poll_reset(cx)) => {
+            CallRecord::count(metrics, &method, "cancelled");
+            return;
+        }
     };
     let end = body.is_end_stream();
     let (response, up_send) = match sender.send_request(Request::from_parts(parts, ()), end) {
@@ -108,10 +119,20 @@ pub(crate) async fn forward(
         .observe(started.elapsed().as_secs_f64());
     // The client's messages go up while the engine has not answered yet (client streaming: it
     // answers after the last one).
-    let mut request = (!end).then(|| Pipe::new(RecvBody::new(body), up_send, h2::Reason::CANCEL));
+    let mut request = (!end).then(|| {
+        let (body, flow) = RecvBody::forwarded(body);
+        Pipe::new(body, up_send, h2::Reason::CANCEL).releasing(flow)
+    });
     let mut response = std::pin::pin!(response);
+    let mut stall = budget.stall.map(Stall::new);
     let headers = poll_fn(|cx| {
         poll_request(&mut request, cx);
+        if let Some(stall) = &mut stall {
+            let (sent, waiting) = progress(&request, None::<&Pipe<Relay>>);
+            if stall.poll_stalled(cx, sent, waiting, &share) {
+                return Poll::Ready(Ok(Err(stall.status(&share))));
+            }
+        }
         if let Poll::Ready(r) = respond.poll_reset(cx) {
             // The client went away before the engine answered.
             return Poll::Ready(Err(r.err()));
@@ -146,8 +167,9 @@ pub(crate) async fn forward(
         method,
         status,
     };
+    let (body, flow) = RecvBody::forwarded(body);
     let body = Relay {
-        inner: RecvBody::new(body),
+        inner: body,
         call: Some(call),
         engine: upstream.address().to_string(),
         failed: false,
@@ -161,14 +183,84 @@ pub(crate) async fn forward(
     if end {
         return;
     }
-    let mut pipe = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR);
+    let mut pipe = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR).releasing(flow);
     poll_fn(|cx| {
         poll_request(&mut request, cx);
+        if let Some(stall) = &mut stall {
+            let (sent, waiting) = progress(&request, Some(&pipe));
+            if stall.poll_stalled(cx, sent, waiting, &share) {
+                // Trailers would wait behind the unsent data: a reset reaches the client now.
+                let _ = stall.status(&share);
+                pipe.reset(h2::Reason::ENHANCE_YOUR_CALM);
+                return Poll::Ready(Ok(()));
+            }
+        }
         Pin::new(&mut pipe).poll(cx)
     })
     .await
     .ok();
     // A client still sending after the engine's answer: the call is over, its stream reset.
+    drop(share);
+}
+
+/// Bytes sent so far in both directions of a call, and whether it is owed bytes that do not
+/// move: a request still unfinished, or a response chunk its client has no room for. (A call
+/// whose request is complete and whose engine is still working owes nothing.)
+fn progress<A, B>(request: &Option<Pipe<A>>, response: Option<&Pipe<B>>) -> (u64, bool) {
+    let a = request.as_ref().map_or(0, |p| p.sent());
+    let (b, wb) = response.map_or((0, false), |p| (p.sent(), p.is_waiting()));
+    (a + b, request.is_some() || wb)
+}
+
+/// Watches a call for peers that move nothing: stalled once neither direction has moved a byte
+/// for `after` while it is owed bytes ([`progress`]) and another stream waits for a share (so a
+/// slow peer keeps its stream as long as nobody needs the space).
+struct Stall {
+    after: std::time::Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    /// The call's progress when the timer was set.
+    seen: u64,
+}
+
+impl Stall {
+    fn new(after: std::time::Duration) -> Self {
+        Stall {
+            after,
+            timer: Box::pin(tokio::time::sleep(after)),
+            seen: 0,
+        }
+    }
+
+    /// True once the call is stalled (`sent`: its progress so far; `waiting`: a chunk waits
+    /// for its receiver); else registers for the next check.
+    fn poll_stalled(
+        &mut self,
+        cx: &mut Context<'_>,
+        sent: u64,
+        waiting: bool,
+        share: &Share,
+    ) -> bool {
+        while self.timer.as_mut().poll(cx).is_ready() {
+            if sent == self.seen && waiting && share.contended() {
+                return true;
+            }
+            self.seen = sent;
+            let next = tokio::time::Instant::now() + self.after;
+            self.timer.as_mut().reset(next);
+        }
+        false
+    }
+
+    /// Counts and logs a stalled call's end; the status its client gets.
+    fn status(&self, share: &Share) -> Status {
+        share.count_stall_reset();
+        let why = format!(
+            "kvbridge sidecar: nothing of this call moved for {:?} while other calls waited for buffer space (--sidecar-stall-timeout-ms)",
+            self.after
+        );
+        tracing::debug!("{why}");
+        Status::resource_exhausted(why)
+    }
 }
 
 /// Moves the client's request body on, dropping the pipe once it is done (or failed: the

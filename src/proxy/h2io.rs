@@ -27,9 +27,13 @@ pub(crate) const COALESCE_MAX: usize = 64 * 1024;
 /// are a byte stream to HTTP/2 and frame boundaries carry no meaning, and a peer that writes one
 /// small frame per message would otherwise cost a frame (and a wake-up) per message on the
 /// other side of kvbridge too. Nothing waits for more data. Flow-control capacity is given back
-/// as soon as bytes are read, as hyper does: the stream's window bounds what is buffered here.
+/// as soon as bytes are read, as hyper does ([`RecvBody::new`]), or, for a body kvbridge
+/// forwards, only once the other side has accepted them ([`RecvBody::forwarded`]): the stream's
+/// window then bounds what kvbridge holds for it, not just what h2 buffers.
 pub(crate) struct RecvBody {
     inner: h2::RecvStream,
+    /// Give capacity back as bytes are read (else the [`Pipe`] they go into does).
+    release_on_read: bool,
     /// An error met while joining frames, returned next.
     held: Option<h2::Error>,
     /// No more DATA: trailers (or the end) next.
@@ -43,15 +47,27 @@ impl RecvBody {
         let done = inner.is_end_stream();
         RecvBody {
             inner,
+            release_on_read: true,
             held: None,
             data_done: done,
             done,
         }
     }
 
+    /// A body whose flow-control capacity the returned handle gives back, for a [`Pipe`] to
+    /// release as it sends (see [`Pipe::releasing`]).
+    pub(crate) fn forwarded(mut inner: h2::RecvStream) -> (Self, h2::FlowControl) {
+        let flow = inner.flow_control().clone();
+        let mut body = RecvBody::new(inner);
+        body.release_on_read = false;
+        (body, flow)
+    }
+
     fn release(&mut self, n: usize) {
-        // Fails only when the stream is already gone; what is read is read either way.
-        let _ = self.inner.flow_control().release_capacity(n);
+        if self.release_on_read {
+            // Fails only when the stream is already gone; what is read is read either way.
+            let _ = self.inner.flow_control().release_capacity(n);
+        }
     }
 }
 
@@ -145,12 +161,14 @@ pub(crate) enum PipeError {
     Body,
 }
 
-/// Sends `body` (DATA, then trailers) on an HTTP/2 stream, with backpressure: the next frame is
-/// taken from the body only once the previous one has stream capacity, so at most one chunk
-/// waits in h2's send buffer per stream (hyper's rule, which also never pins connection window
-/// on a body that has nothing to send). A body that ends without trailers ends the stream with
-/// an empty DATA frame. Resolves when the stream is complete, or when the receiving peer resets
-/// it.
+/// Sends `body` (DATA, then trailers) on an HTTP/2 stream, with backpressure: a chunk is sent
+/// only as far as the stream has capacity (the receiver's window, and h2's send buffer), and the
+/// next one is taken from the body only once the last is sent, so h2 buffers no more for a
+/// stream than the receiver has room for. Capacity is claimed only for a chunk in hand, so a
+/// body with nothing to send pins no connection window. With [`Pipe::releasing`], the bytes
+/// sent are given back to the peer they came from as they go. A body that ends without
+/// trailers ends the stream with an empty DATA frame. Resolves when the stream is complete, or
+/// when the receiving peer resets it.
 pub(crate) struct Pipe<B> {
     body: Pin<Box<B>>,
     send: h2::SendStream<Bytes>,
@@ -158,6 +176,10 @@ pub(crate) struct Pipe<B> {
     held: Option<(Bytes, bool)>,
     /// Reset code for a failing body.
     on_error: h2::Reason,
+    /// The source stream's flow control, given back what is sent.
+    source: Option<h2::FlowControl>,
+    /// DATA bytes sent so far.
+    sent: u64,
 }
 
 impl<B> Pipe<B>
@@ -173,7 +195,16 @@ where
             send,
             held: None,
             on_error,
+            source: None,
+            sent: 0,
         }
+    }
+
+    /// Gives `source` back each byte as it is sent (for a body from
+    /// [`RecvBody::forwarded`]): its sender may send more only as the receiver takes it.
+    pub(crate) fn releasing(mut self, source: h2::FlowControl) -> Self {
+        self.source = Some(source);
+        self
     }
 }
 
@@ -187,8 +218,12 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         loop {
-            if let Some((data, eos)) = this.held.take() {
-                while this.send.capacity() == 0 {
+            if let Some((mut data, eos)) = this.held.take() {
+                let capacity = loop {
+                    match this.send.capacity() {
+                        0 => {}
+                        n => break n,
+                    }
                     match this.send.poll_capacity(cx) {
                         Poll::Ready(Some(Ok(_))) => {}
                         Poll::Ready(Some(Err(_)) | None) => {
@@ -199,6 +234,14 @@ where
                             return this.pending_unless_reset(cx);
                         }
                     }
+                };
+                if capacity < data.len() {
+                    // As much as the receiver has room for; the rest waits for more.
+                    let part = data.split_to(capacity);
+                    this.send_chunk(part, false)?;
+                    this.send.reserve_capacity(data.len());
+                    this.held = Some((data, eos));
+                    continue;
                 }
                 if this.send_chunk(data, eos)? {
                     return Poll::Ready(Ok(()));
@@ -220,9 +263,7 @@ where
                             }
                             continue;
                         }
-                        // A claim of one byte, as hyper makes: h2 raises it to what is
-                        // buffered when the chunk is sent.
-                        this.send.reserve_capacity(1);
+                        this.send.reserve_capacity(data.len());
                         this.held = Some((data, eos));
                     }
                     Err(frame) => {
@@ -247,12 +288,34 @@ where
 }
 
 impl<B> Pipe<B> {
-    /// Sends one chunk; `Ok(true)` when it ended the stream.
+    /// Sends one chunk (within the stream's capacity, or empty) and gives its bytes back to the
+    /// source; `Ok(true)` when it ended the stream.
     fn send_chunk(&mut self, data: Bytes, eos: bool) -> Result<bool, PipeError> {
+        let n = data.len();
         self.send
             .send_data(data, eos)
             .map_err(|_| PipeError::Peer)?;
+        self.sent += n as u64;
+        if let Some(source) = &mut self.source {
+            // Fails only when the source stream is already gone.
+            let _ = source.release_capacity(n);
+        }
         Ok(eos)
+    }
+
+    /// DATA bytes sent so far: the receiver's progress.
+    pub(crate) fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Whether a chunk is waiting for the receiver to make room.
+    pub(crate) fn is_waiting(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// Resets the stream with `reason`.
+    pub(crate) fn reset(&mut self, reason: h2::Reason) {
+        self.send.send_reset(reason);
     }
 
     /// Pending, registered for the peer's reset too (so a client that goes away while nothing

@@ -8,9 +8,10 @@
 //! ```
 //!
 //! One job per file: this one decides which requests are kvbridge's and serves the listener;
-//! `upstream.rs` keeps the connections to the engine; `forward.rs` relays one call; `h2io.rs`
-//! holds the HTTP/2 plumbing both sides share (bodies, flow control, keepalive); `load.rs` polls
-//! the engine's `GetLoads` and turns it into `load_only` records (§3.5).
+//! `upstream.rs` keeps the connections to the engine; `forward.rs` relays one call; `budget.rs`
+//! bounds what kvbridge holds for forwarded streams; `h2io.rs` holds the HTTP/2 plumbing both
+//! sides share (bodies, flow control, keepalive); `load.rs` polls the engine's `GetLoads` and
+//! turns it into `load_only` records (§3.5).
 //!
 //! **Why our own HTTP/2 server loop here.** tonic's server wraps every service in its
 //! `grpc-timeout` handling, which answers `CANCELLED` on its own when a deadline passes before
@@ -31,6 +32,7 @@
 //! (`SubscribeKvEvents`) are served from that one thread too; ingest, the ring and the NATS sink
 //! keep theirs.
 
+mod budget;
 mod forward;
 mod h2io;
 mod load;
@@ -55,8 +57,6 @@ use h2io::{Pipe, RecvBody};
 use crate::config::ProxyConfig;
 use crate::metrics::Metrics;
 
-/// HTTP/2 receive window per client connection.
-const CLIENT_CONNECTION_WINDOW: u32 = 64 << 20;
 /// How often the engine is probed for health (`grpc.health.v1` in sidecar mode).
 const PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a probe waits for the engine's answer.
@@ -86,6 +86,8 @@ pub fn is_ours(path: &str) -> bool {
 pub struct Sidecar {
     upstream: upstream::Upstream,
     metrics: Arc<Metrics>,
+    /// What client connections' forwarded streams may make kvbridge hold.
+    budgets: budget::Budgets,
     answering: Arc<AtomicBool>,
     /// Set at the start of a shutdown: the listener closes at once (open streams drain).
     draining: tokio::sync::watch::Sender<bool>,
@@ -142,6 +144,12 @@ impl Sidecar {
             }
             Sidecar {
                 upstream,
+                budgets: budget::Budgets::new(
+                    cfg.connection_buffer,
+                    cfg.buffer,
+                    cfg.stall_timeout,
+                    metrics.clone(),
+                ),
                 metrics,
                 answering: Arc::new(AtomicBool::new(false)),
                 draining: tokio::sync::watch::Sender::new(false),
@@ -189,13 +197,14 @@ impl Sidecar {
     async fn handle(
         self: Arc<Self>,
         routes: Routes,
+        budget: Arc<budget::ConnectionBudget>,
         req: Request<h2::RecvStream>,
         respond: h2::server::SendResponse<Bytes>,
     ) {
         if is_ours(req.uri().path()) {
             serve_own(routes, req, respond).await
         } else {
-            forward::forward(&self.upstream, &self.metrics, req, respond).await
+            forward::forward(&self.upstream, &self.metrics, &budget, req, respond).await
         }
     }
 
@@ -262,11 +271,11 @@ impl Sidecar {
         self.upstream.set_client_limit(max_streams);
         let mut builder = h2::server::Builder::new();
         builder
-            // Fixed windows (see `upstream`): per stream 1 MiB (hyper's default), per connection
-            // large enough that h2's small-DATA-frame budget (half of it) fits many concurrent
-            // client-streaming calls of small messages.
+            // Fixed windows: per stream 1 MiB (hyper's default); per connection the part of
+            // the connection's buffer budget set aside for requests (see `connection`). h2
+            // buffers at most `SEND_BUFFER` per stream for sending (`budget.rs`).
             .initial_window_size(1 << 20)
-            .initial_connection_window_size(CLIENT_CONNECTION_WINDOW)
+            .max_send_buffer_size(budget::SEND_BUFFER)
             .max_concurrent_streams(max_streams)
             .header_table_size(HEADER_TABLE_SIZE);
         let (stop, stopping) = tokio::sync::watch::channel(false);
@@ -307,9 +316,13 @@ impl Sidecar {
     ) where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        // Header lists as large as the engine accepts, decoded bytes bounded by what arrived.
+        // Header lists as large as the engine accepts, decoded bytes bounded by what arrived;
+        // request bytes in flight bounded by the connection's window, from its buffer budget.
+        let budget = Arc::new(self.budgets.connection());
         let mut builder = builder;
-        builder.max_header_list_size(self.upstream.header_list_limit());
+        builder
+            .max_header_list_size(self.upstream.header_list_limit())
+            .initial_connection_window_size(budget.window());
         let wire = Arc::new(AtomicU64::new(0));
         let mut headers = HeaderBudget {
             wire: wire.clone(),
@@ -360,7 +373,10 @@ impl Sidecar {
                         conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
                         continue;
                     }
-                    tokio::spawn(self.clone().handle(routes.clone(), req, respond));
+                    tokio::spawn(
+                        self.clone()
+                            .handle(routes.clone(), budget.clone(), req, respond),
+                    );
                 }
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "gRPC connection ended");

@@ -20,14 +20,13 @@ use h2::client::SendRequest;
 use tokio_rustls::rustls;
 use tonic::Status;
 
+use super::budget::STREAM_WINDOW;
 use super::h2io::{RecvBody, SettingsWatch, Tap};
 use crate::config::EngineGrpc;
 use crate::metrics::Metrics;
 
 /// Connections kept to the engine.
 pub(crate) const POOL_SIZE: usize = 4;
-/// HTTP/2 receive window per forwarded stream (the response side).
-pub(crate) const STREAM_WINDOW: u32 = 1 << 20;
 /// HTTP/2 receive window per engine connection: the protocol's maximum.
 pub(crate) const CONNECTION_WINDOW: u32 = (1 << 31) - 1;
 /// Keepalive pings to the engine: as a G2 gateway's channel (docs/smg-api.md §3.1).
@@ -289,10 +288,13 @@ impl Upstream {
     {
         // Keepalive as the gateway's own channel (docs/smg-api.md §3.1), idle connections
         // included. Windows: fixed, a stream's bounded by STREAM_WINDOW, and the connection's as
-        // large as HTTP/2 allows. The latter is what keeps h2's small-DATA-frame guard (≥ 0.4.16:
-        // a connection-wide budget of half the connection window) from closing the connection
-        // with ENHANCE_YOUR_CALM when a `Generate` stream of small messages is buffered while the
-        // client reads slowly; the engine is the one peer kvbridge trusts not to flood it.
+        // large as HTTP/2 allows: the streams' shares of the buffer budgets bound what is held
+        // (`budget.rs`), and a connection window shared by every client's streams must not let
+        // one client's unread streams stall the others'. It also keeps h2's small-DATA-frame
+        // guard (≥ 0.4.16: a connection-wide budget of half the connection window) from closing
+        // the connection with ENHANCE_YOUR_CALM when a `Generate` stream of small messages is
+        // buffered while the client reads slowly; the engine is the one peer kvbridge trusts
+        // not to flood it.
         let (settings_tx, settings) = tokio::sync::oneshot::channel();
         let io = Tap::new(io, SettingsWatch::new(settings_tx));
         let (sender, mut conn) = tokio::time::timeout(
@@ -300,6 +302,7 @@ impl Upstream {
             h2::client::Builder::new()
                 .initial_window_size(STREAM_WINDOW)
                 .initial_connection_window_size(CONNECTION_WINDOW)
+                .max_send_buffer_size(super::budget::SEND_BUFFER)
                 .max_header_list_size(MAX_HEADER_LIST)
                 .enable_push(false)
                 .handshake::<_, Bytes>(io),

@@ -46,6 +46,8 @@ pub struct Stats {
     pub cancelled: AtomicU64,
     /// `Generate` calls received.
     pub generates: AtomicU64,
+    /// `Slow` calls received.
+    pub slows: AtomicU64,
     /// What `GetLoads` reports as running requests.
     pub running: AtomicU32,
     /// TLS handshakes that failed or did not agree on ALPN `h2` ([`GrpcEngine::start_tls`] only).
@@ -54,6 +56,8 @@ pub struct Stats {
     pub max_streams: AtomicU32,
     /// Request header bytes received (names and values, all calls).
     pub header_bytes: AtomicU64,
+    /// HTTP/2 receive window per stream for connections accepted from now on (0: 4 MiB).
+    pub stream_window: AtomicU32,
 }
 
 /// A running test engine.
@@ -226,6 +230,10 @@ where
         0 => u32::MAX,
         n => n,
     };
+    let stream_window = match st.stream_window.load(Ordering::SeqCst) {
+        0 => 4 << 20,
+        n => n,
+    };
     let svc = hyper::service::service_fn(move |req| {
         let st = st.clone();
         async move { Ok::<_, Infallible>(handle(st, req).await) }
@@ -235,7 +243,7 @@ where
     // 1,000 small requests wait to be read.
     let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .max_concurrent_streams(max_streams)
-        .initial_stream_window_size(4 << 20)
+        .initial_stream_window_size(stream_window)
         .initial_connection_window_size(1 << 30)
         .serve_connection(TokioIo::new(io), svc)
         .await;
@@ -389,6 +397,7 @@ async fn handle(st: Arc<Stats>, req: Request<Incoming>) -> Response<RespBody> {
             });
         }
         "Slow" => {
+            st.slows.fetch_add(1, Ordering::Relaxed);
             let timeout = grpc_timeout(&parts.headers).unwrap_or(Duration::from_secs(30));
             tokio::spawn(async move {
                 tokio::time::sleep(timeout).await;
