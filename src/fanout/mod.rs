@@ -34,7 +34,7 @@ use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
 pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
-pub use service::{edge, service_names, Edge, EdgeOptions};
+pub use service::{edge, service_names, Edge, EdgeOptions, EdgeParts};
 
 /// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
 /// bytes as they are, so tonic's codec copies them to the transport buffer without re-encoding.
