@@ -259,12 +259,18 @@ impl Bridge {
     /// back on the same address (as a real bridge behind a fixed worker URL does).
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
-        while self.grpc.port() == 0 && Instant::now() < deadline {
+        // The listener is bound early (an occupied port is a start-up error), so a TCP connect
+        // can succeed while start-up (ring recovery, its warnings) is still running: wait for
+        // the line the bridge logs once it serves, on every start, not only on port 0.
+        while Instant::now() < deadline {
             let log = self.log();
             if let Some(line) = log
                 .lines()
                 .find(|l| l.contains("serving SubscribeKvEvents"))
             {
+                if self.grpc.port() != 0 {
+                    break;
+                }
                 let field = |name: &str| {
                     line.split_whitespace()
                         .find_map(|w| w.strip_prefix(name))
