@@ -178,19 +178,7 @@ impl Bridge {
 
 impl Drop for Bridge {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; at worst it already exited and the call fails.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = kvbridge_shm::remove_ring(&self.shm);
-        let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(&self.shm));
+        super::stop_bridge(&mut self.child, &self.shm, Duration::from_secs(20));
     }
 }
 

@@ -483,3 +483,21 @@ pub(crate) fn fine_timer_slack() {
     // slack; no memory is passed to the kernel.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
 }
+
+/// Stops a `kvbridge serve` child the bench started: SIGTERM, up to `patience` for a clean exit
+/// (so its shutdown path runs, as in production), then SIGKILL; then removes its ring with
+/// everything beside it ([`crate::snapshot::remove_ring`]).
+pub fn stop_bridge(child: &mut std::process::Child, shm: &std::path::Path, patience: Duration) {
+    // SAFETY: kill(2) on our own child's pid; at worst it already exited and the call fails.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + patience;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = crate::snapshot::remove_ring(shm);
+}

@@ -181,18 +181,7 @@ struct OwnBridge {
 
 impl Drop for OwnBridge {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; at worst the pid is already reaped and the call fails.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = crate::snapshot::remove_ring(&self.shm);
+        crate::bench::stop_bridge(&mut self.child, &self.shm, Duration::from_secs(10));
     }
 }
 
