@@ -15,14 +15,18 @@
 //! does not parse, or a certificate that does not match its key (as happens for a moment when
 //! an agent writes the two files one after the other), is logged and the secret in use is kept;
 //! the next change is tried again.
+//!
+//! The settings are this module's too: [`SecurityConfig`], what `--tls-cert`, `--tls-key` and
+//! `--auth-token-file` (or [`AUTH_TOKEN_ENV`]) resolve to, read and checked by the functions that
+//! also re-read them ([`read_tls_files`], [`read_token`], [`read_pem`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
+use thiserror::Error;
 
-use crate::config::SecretFiles;
 use crate::net::Tls;
 
 /// How often the files are checked for a change.
@@ -87,6 +91,155 @@ impl Secrets {
         }
         replaced
     }
+}
+
+/// Environment variable holding the gRPC bearer token (alternative to `--auth-token-file`).
+pub const AUTH_TOKEN_ENV: &str = "KVBRIDGE_AUTH_TOKEN";
+
+/// A secret that cannot be read or is not usable; the message names the flag and the file.
+#[derive(Debug, Error)]
+pub enum SecretError {
+    /// The file could not be read.
+    #[error("{flag} {}: {source}", path.display())]
+    Read {
+        /// The flag that names the file.
+        flag: &'static str,
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The file holds no PEM block of the expected kind.
+    #[error("{flag} {}: not a PEM file (no {marker:?} block)", path.display())]
+    NotPem {
+        /// The flag that names the file.
+        flag: &'static str,
+        /// File.
+        path: PathBuf,
+        /// The PEM label looked for.
+        marker: &'static str,
+    },
+    /// [`AUTH_TOKEN_ENV`] is set but not Unicode.
+    #[error("{AUTH_TOKEN_ENV}: {0}")]
+    Env(std::env::VarError),
+    /// The token is empty.
+    #[error("{from}: the token is empty")]
+    EmptyToken {
+        /// Where the token came from.
+        from: String,
+    },
+    /// The token is not one line of printable ASCII.
+    #[error("{from}: the token must be one line of printable ASCII without spaces")]
+    BadToken {
+        /// Where the token came from.
+        from: String,
+    },
+}
+
+/// The validated TLS and token settings of the gRPC edge, with the secrets already read.
+#[derive(Clone, Debug, Default)]
+pub struct SecurityConfig {
+    /// TLS certificate chain and key (PEM), read at validation time.
+    pub tls: Option<TlsFiles>,
+    /// Bearer token every `SubscribeKvEvents` call must carry, if set.
+    pub auth_token: Option<String>,
+    /// Where `tls` and `auth_token` were read from, to re-read them on SIGHUP or change.
+    pub files: SecretFiles,
+}
+
+/// PEM contents of `--tls-cert` and `--tls-key`.
+#[derive(Clone)]
+pub struct TlsFiles {
+    /// Certificate chain, PEM.
+    pub cert: Vec<u8>,
+    /// Private key, PEM.
+    pub key: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TlsFiles({} cert bytes, key redacted)", self.cert.len())
+    }
+}
+
+/// The files the secrets come from (`--tls-cert`/`--tls-key`, `--auth-token-file`): kept so
+/// that a running bridge can re-read them when they rotate (see [`watch`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SecretFiles {
+    /// Certificate chain and private key.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Bearer token (a token from the environment is not reloadable).
+    pub token: Option<PathBuf>,
+}
+
+impl SecretFiles {
+    /// Reads the certificate chain and key again, checked as at start-up.
+    pub fn read_tls(&self) -> Option<Result<TlsFiles, SecretError>> {
+        self.tls.as_ref().map(|(c, k)| read_tls_files(c, k))
+    }
+
+    /// Reads the token file again, checked as at start-up.
+    pub fn read_token(&self) -> Option<Result<String, SecretError>> {
+        let p = self.token.as_deref()?;
+        Some(read_token(Some(p)).map(|t| t.expect("a token file yields a token or an error")))
+    }
+}
+
+/// Reads `--tls-cert` and `--tls-key`, each checked to hold its PEM block.
+pub fn read_tls_files(cert: &Path, key: &Path) -> Result<TlsFiles, SecretError> {
+    Ok(TlsFiles {
+        cert: read_pem("--tls-cert", cert, "CERTIFICATE")?,
+        key: read_pem("--tls-key", key, "PRIVATE KEY")?,
+    })
+}
+
+/// Reads the PEM file `path` given with `flag`, checked to hold a `marker` block.
+pub fn read_pem(
+    flag: &'static str,
+    path: &Path,
+    marker: &'static str,
+) -> Result<Vec<u8>, SecretError> {
+    let bytes = std::fs::read(path).map_err(|source| SecretError::Read {
+        flag,
+        path: path.to_owned(),
+        source,
+    })?;
+    if !String::from_utf8_lossy(&bytes).contains(marker) {
+        return Err(SecretError::NotPem {
+            flag,
+            path: path.to_owned(),
+            marker,
+        });
+    }
+    Ok(bytes)
+}
+
+/// The bearer token from `file` (`--auth-token-file`), else from [`AUTH_TOKEN_ENV`]; `None` when
+/// neither is set.
+pub fn read_token(file: Option<&Path>) -> Result<Option<String>, SecretError> {
+    let (text, from) = match file {
+        Some(p) => (
+            std::fs::read_to_string(p).map_err(|source| SecretError::Read {
+                flag: "--auth-token-file",
+                path: p.to_owned(),
+                source,
+            })?,
+            format!("--auth-token-file {}", p.display()),
+        ),
+        None => match std::env::var(AUTH_TOKEN_ENV) {
+            Ok(v) => (v, AUTH_TOKEN_ENV.to_string()),
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            Err(e) => return Err(SecretError::Env(e)),
+        },
+    };
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(SecretError::EmptyToken { from });
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(SecretError::BadToken { from });
+    }
+    Ok(Some(token.to_string()))
 }
 
 /// What identifies one version of a file (following symlinks); `None` while it is missing.

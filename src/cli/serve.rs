@@ -8,8 +8,9 @@ use std::time::Duration;
 use kvbridge_shm::WriterOptions;
 
 use super::CliError;
-use crate::config::{DpMode, ServeArgs, ServeConfig};
-use crate::fanout::{EdgeOptions, Fanout};
+use crate::config::{ServeArgs, ServeConfig};
+use crate::decode::DecodeConfig;
+use crate::fanout::{DpMode, EdgeOptions, Fanout};
 use crate::health::UpstreamState;
 use crate::ingest::{Ingest, Targets};
 use crate::metrics::Metrics;
@@ -17,7 +18,7 @@ use crate::ring::RingHub;
 
 pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
     let cfg = args.resolve().map_err(|e| CliError::Setup(e.to_string()))?;
-    super::init_tracing(cfg.log_format);
+    super::init_tracing(cfg.ops.log_format);
     let rt = super::runtime()?;
     rt.block_on(async move {
         // Before anything starts: a SIGTERM during start-up still means a clean stop.
@@ -172,11 +173,11 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
         tracing::warn!("{w}");
     }
     // Bind first: an occupied port should fail before a ring is touched.
-    let listener = tokio::net::TcpListener::bind(cfg.grpc)
+    let listener = tokio::net::TcpListener::bind(cfg.streaming.grpc)
         .await
-        .map_err(|e| setup(format!("--grpc {}: cannot listen: {e}", cfg.grpc)))?;
+        .map_err(|e| setup(format!("--grpc {}: cannot listen: {e}", cfg.streaming.grpc)))?;
     let grpc_addr = listener.local_addr().map_err(|e| setup(e.to_string()))?;
-    let metrics_listener = match cfg.metrics {
+    let metrics_listener = match cfg.ops.metrics {
         Some(a) => Some(
             crate::metrics::bind(a)
                 .await
@@ -186,7 +187,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     };
     let metrics_addr = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
     // Derived from the port actually bound, so that `--grpc …:0` gets a ring of its own too.
-    let shm = cfg.ring_path(grpc_addr.port());
+    let shm = cfg.ring.ring_path(grpc_addr.port());
     remove_stale_ring_files(&shm);
     // Rings this start creates (rather than adopts) are removed again, with their wake files,
     // if the start fails after creating them: a failed start leaves nothing in /dev/shm.
@@ -225,9 +226,9 @@ async fn start_on_rings(
     let setup = CliError::Setup;
     let metrics = Arc::new(Metrics::new());
     let opts = WriterOptions {
-        capacity: cfg.ring_size as usize,
-        seq_base: cfg.seq_base,
-        group_read: cfg.shm_group_read,
+        capacity: cfg.ring.size as usize,
+        seq_base: cfg.ring.seq_base,
+        group_read: cfg.ring.group_read,
     };
     let (merged, recovered) =
         RingHub::open("merged", shm, &opts, &metrics).map_err(|e| setup(format!("--shm: {e}")))?;
@@ -237,8 +238,8 @@ async fn start_on_rings(
     tracing::info!(path = %shm.display(), adopted = recovered.adopted, window = ?merged.window(), "ring ready");
     let mut rank_hubs = Vec::new();
     let mut rank_adopted = Vec::new();
-    if cfg.dp_mode == DpMode::Metadata {
-        for r in &cfg.ranks {
+    if cfg.streaming.dp_mode == DpMode::Metadata {
+        for r in &cfg.ingest.ranks {
             let path = rank_ring_path(shm, r.rank);
             let (hub, rec) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
                 .map_err(|e| setup(format!("--shm: {e}")))?;
@@ -249,7 +250,7 @@ async fn start_on_rings(
             rank_hubs.push(hub);
         }
     }
-    if cfg.send_dp_rank && cfg.dp_mode == DpMode::Merged {
+    if cfg.streaming.send_dp_rank && cfg.streaming.dp_mode == DpMode::Merged {
         tracing::warn!(
             "--send-dp-rank: merged batches carry dp_rank; G2 gateways (smg 1.13+) keep a cursor per rank and \
              will see gaps and spurious restarts on this stream"
@@ -261,7 +262,7 @@ async fn start_on_rings(
     let sink = match &cfg.nats {
         Some(n) => {
             let mut rings = vec![("merged".to_string(), merged.clone())];
-            for (hub, r) in rank_hubs.iter().zip(&cfg.ranks) {
+            for (hub, r) in rank_hubs.iter().zip(&cfg.ingest.ranks) {
                 rings.push((r.rank.to_string(), hub.clone()));
             }
             Some(
@@ -296,17 +297,24 @@ async fn start_on_rings(
         None => None,
     };
     let targets = cfg
+        .ingest
         .ranks
         .iter()
         .map(|r| Targets {
             merged: merged.clone(),
-            merged_sends_rank: cfg.send_dp_rank,
+            merged_sends_rank: cfg.streaming.send_dp_rank,
             own: rank_hubs.get(r.rank as usize).cloned(),
         })
         .collect();
-    let upstream = UpstreamState::new(cfg.ranks.len());
+    let upstream = UpstreamState::new(cfg.ingest.ranks.len());
+    let records = DecodeConfig {
+        split_threshold: cfg.ring.split_threshold as usize,
+        profile: cfg.streaming.profile,
+        ..DecodeConfig::default()
+    };
     let ingest = Ingest::start(
-        cfg,
+        &cfg.ingest,
+        records,
         targets,
         &recovered.last_upstream,
         &metrics,
@@ -329,7 +337,7 @@ async fn start_on_rings(
             merged.clone(),
             rank_hubs,
             metrics.clone(),
-            cfg.max_subscribers,
+            cfg.streaming.max_subscribers,
             shutdown_rx.clone(),
         )
         .with_snapshots(crate::snapshot::Snapshots::new(
@@ -356,17 +364,17 @@ async fn start_on_rings(
     let health_task = tokio::spawn(crate::health::run_reporter(
         reporter.clone(),
         upstream,
-        cfg.health_grace,
+        cfg.ops.health_grace,
         crate::fanout::service_names(),
         metrics.clone(),
     ));
     let edge = EdgeOptions {
-        tls: cfg.tls.clone(),
-        auth_token: cfg.auth_token.clone(),
-        max_streams_per_connection: Some(cfg.max_streams_per_connection),
-        handshake_timeout: Some(cfg.handshake_timeout),
+        tls: cfg.security.tls.clone(),
+        auth_token: cfg.security.auth_token.clone(),
+        max_streams_per_connection: Some(cfg.streaming.max_streams_per_connection),
+        handshake_timeout: Some(cfg.streaming.handshake_timeout),
         health: Some(reporter.clone()),
-        reload: Some(cfg.secret_files.clone()),
+        reload: Some(cfg.security.files.clone()),
     };
     let edge = crate::fanout::edge(fanout.clone(), &edge)
         .map_err(|e| setup(format!("--tls-cert/--tls-key: {e}")))?;
@@ -392,8 +400,8 @@ async fn start_on_rings(
     };
     let metrics_url =
         metrics_addr.map_or_else(|| "off".to_string(), |a| format!("http://{a}/metrics"));
-    tracing::info!(%grpc_addr, metrics = %metrics_url, ring = %shm.display(), ranks = cfg.ranks.len(),
-        tls = cfg.tls.is_some(), auth = cfg.auth_token.is_some(), "serving SubscribeKvEvents");
+    tracing::info!(%grpc_addr, metrics = %metrics_url, ring = %shm.display(), ranks = cfg.ingest.ranks.len(),
+        tls = cfg.security.tls.is_some(), auth = cfg.security.auth_token.is_some(), "serving SubscribeKvEvents");
     Ok(ServiceHandle {
         grpc_addr,
         metrics_addr,
@@ -429,7 +437,7 @@ fn start_zmq_publisher(
 ) -> Result<crate::publish_zmq::ZmqPublisher, CliError> {
     use crate::publish_zmq::RankSource;
     let sources = if rank_hubs.is_empty() {
-        let rank = cfg.ranks.first().map_or(0, |r| r.rank);
+        let rank = cfg.ingest.ranks.first().map_or(0, |r| r.rank);
         vec![RankSource {
             rank,
             hub: merged.clone(),
@@ -438,7 +446,7 @@ fn start_zmq_publisher(
     } else {
         rank_hubs
             .iter()
-            .zip(&cfg.ranks)
+            .zip(&cfg.ingest.ranks)
             .enumerate()
             .map(|(i, (hub, r))| RankSource {
                 rank: r.rank,
@@ -447,7 +455,7 @@ fn start_zmq_publisher(
             })
             .collect()
     };
-    crate::publish_zmq::ZmqPublisher::start(z, &cfg.topic, sources, metrics)
+    crate::publish_zmq::ZmqPublisher::start(z, &cfg.ingest.topic, sources, metrics)
         .map_err(|e| CliError::Setup(e.to_string()))
 }
 

@@ -9,7 +9,7 @@ use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 #[derive(clap::Args, Debug)]
 pub(super) struct SubscribeArgs {
     /// Bridge address (`HOST:PORT` or `http://HOST:PORT`).
-    #[arg(long, default_value = crate::config::DEFAULT_GRPC)]
+    #[arg(long, default_value = crate::fanout::DEFAULT_GRPC)]
     grpc: String,
     /// Resume cursor S: 0 = everything retained then live; S > 0 = batches after S.
     #[arg(long, default_value_t = 0)]
@@ -73,7 +73,7 @@ pub(super) fn run(a: SubscribeArgs) -> Result<(), CliError> {
                     .trim()
                     .to_string(),
             ),
-            None => std::env::var(crate::config::AUTH_TOKEN_ENV)
+            None => std::env::var(crate::secrets::AUTH_TOKEN_ENV)
                 .ok()
                 .map(|t| t.trim().to_string()),
         };

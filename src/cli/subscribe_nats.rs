@@ -10,7 +10,7 @@
 use futures_util::StreamExt;
 
 use super::{BatchPrinter, CliError};
-use crate::config::NatsConfig;
+use crate::sink::NatsConfig;
 use crate::sink::{HEADER_RING_ID, HEADER_SEQ};
 
 /// The NATS side of `kvbridge subscribe`.
@@ -23,10 +23,10 @@ pub(super) struct NatsSubscribeArgs {
     #[arg(long, value_name = "ID")]
     worker: Option<String>,
     /// With --nats: the stream.
-    #[arg(long, value_name = "NAME", default_value = crate::config::DEFAULT_NATS_STREAM)]
+    #[arg(long, value_name = "NAME", default_value = crate::sink::DEFAULT_NATS_STREAM)]
     nats_stream: String,
     /// With --nats: the subject prefix.
-    #[arg(long, value_name = "PREFIX", default_value = crate::config::DEFAULT_NATS_SUBJECT_PREFIX)]
+    #[arg(long, value_name = "PREFIX", default_value = crate::sink::DEFAULT_NATS_SUBJECT_PREFIX)]
     nats_subject_prefix: String,
     /// With --nats: credentials file.
     #[arg(long, value_name = "FILE")]
@@ -45,7 +45,7 @@ pub(super) async fn run(
     use async_nats::jetstream::consumer::{pull, DeliverPolicy};
     let urls = a.nats.clone().unwrap_or_default();
     let worker = a.worker.clone().unwrap_or_default();
-    if !crate::config::is_subject_token(&worker) {
+    if !crate::sink::is_subject_token(&worker) {
         return Err(CliError::Setup(format!(
             "--worker {worker:?}: letters, digits, '-' and '_' only"
         )));
@@ -55,7 +55,7 @@ pub(super) async fn run(
         subject_prefix: a.nats_subject_prefix.clone(),
         stream: a.nats_stream.clone(),
         replicas: 1,
-        max_age: crate::config::DEFAULT_NATS_MAX_AGE,
+        max_age: crate::sink::DEFAULT_NATS_MAX_AGE,
         worker_id: Some(worker.clone()),
         creds: a.nats_creds.clone(),
         tls_ca: a.nats_tls_ca.clone(),

@@ -14,7 +14,8 @@ use std::fmt;
 
 use serde_json::{Map, Value};
 
-use super::{validate_endpoint, RankEndpoint};
+use super::values::validate_endpoint;
+use crate::ingest::RankEndpoint;
 
 /// The engine family that was given the configuration (only needed where their rules differ).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]

@@ -9,7 +9,23 @@
 //! from clap, so the help, the page and the code cannot disagree; `KVBRIDGE_BLESS=1 cargo test
 //! --lib flag_reference` rewrites the page.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::{LogFormat, ProfileArg, DEFAULT_DATA_PARALLEL_SIZE, DEFAULT_HEALTH_GRACE_MS};
+use crate::fanout::{
+    DpMode, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_MAX_STREAMS_PER_CONNECTION,
+    DEFAULT_MAX_SUBSCRIBERS,
+};
+use crate::ingest::{DEFAULT_MAX_ENGINE_MESSAGE, DEFAULT_REPLAY_TIMEOUT_MS};
+use crate::proxy::{
+    DEFAULT_LOAD_INTERVAL_MS, DEFAULT_SIDECAR_BUFFER, DEFAULT_SIDECAR_CONNECTION_BUFFER,
+    DEFAULT_SIDECAR_STALL_TIMEOUT_MS,
+};
+use crate::ring::{DEFAULT_RING_SIZE, DEFAULT_SPLIT_THRESHOLD, MIN_RING_SIZE};
+use crate::sink::{
+    DEFAULT_NATS_MAX_AGE, DEFAULT_NATS_REPLICAS, DEFAULT_NATS_STREAM, DEFAULT_NATS_SUBJECT_PREFIX,
+};
 
 /// `n` bytes as the flags are written: `64MiB`, `4KiB`, or the number.
 fn bytes_text(n: u64) -> String {
@@ -21,7 +37,7 @@ fn bytes_text(n: u64) -> String {
     }
 }
 
-/// A duration as [`parse_duration`] reads it: the largest whole unit.
+/// A duration as [`super::parse_duration`] reads it: the largest whole unit.
 fn duration_text(d: Duration) -> String {
     let s = d.as_secs();
     match s {
@@ -221,6 +237,7 @@ pub fn flag_reference(serve: &clap::Command) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{parse_duration, parse_size, ServeArgs};
     use clap::CommandFactory;
 
     /// The `serve` subcommand as `kvbridge` builds it (defaults not yet appended).

@@ -17,6 +17,7 @@
 //! later fresh subscribers start after it (the hub remembers it). Records from the recent cache
 //! were copied at commit time and need no check.
 
+mod config;
 mod load;
 mod service;
 
@@ -33,6 +34,10 @@ use tonic::Status;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
+pub use config::{
+    DpMode, StreamingConfig, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_HANDSHAKE_TIMEOUT_MS,
+};
 pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
 pub use service::{edge, service_names, Edge, EdgeOptions, EdgeParts};
 

@@ -191,19 +191,19 @@ impl_path!(trtllm::trtllm_service_server::TrtllmService);
 #[derive(Clone, Default)]
 pub struct EdgeOptions {
     /// Serve TLS with this certificate chain and key.
-    pub tls: Option<crate::config::TlsFiles>,
+    pub tls: Option<crate::secrets::TlsFiles>,
     /// Bearer token required on `SubscribeKvEvents` (health and reflection stay open).
     pub auth_token: Option<String>,
     /// HTTP/2 max concurrent streams per connection (`None`: the transport's default).
     pub max_streams_per_connection: Option<u32>,
     /// Time an accepted connection has to complete TLS and send the HTTP/2 preface and SETTINGS
-    /// (`None`: [`crate::config::DEFAULT_HANDSHAKE_TIMEOUT_MS`]).
+    /// (`None`: [`super::DEFAULT_HANDSHAKE_TIMEOUT_MS`]).
     pub handshake_timeout: Option<Duration>,
     /// Serve `grpc.health.v1.Health` from this reporter.
     pub health: Option<tonic_health::server::HealthReporter>,
     /// Re-read `tls` and `auth_token` from these files on SIGHUP and when they change
     /// (`crate::secrets`); `None`: they stay as given for the whole run.
-    pub reload: Option<crate::config::SecretFiles>,
+    pub reload: Option<crate::secrets::SecretFiles>,
 }
 
 /// The fully-qualified names of the four `SubscribeKvEvents` services.
@@ -237,7 +237,7 @@ pub struct Edge {
     routes: tonic::service::Routes,
     max_streams: Option<u32>,
     secrets: Arc<crate::secrets::Secrets>,
-    reload: Option<crate::config::SecretFiles>,
+    reload: Option<crate::secrets::SecretFiles>,
     handshake_timeout: Duration,
     metrics: Arc<crate::metrics::Metrics>,
 }
@@ -251,9 +251,9 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
         .as_ref()
         .map(|t| crate::net::Tls::from_pem(&t.cert, &t.key))
         .transpose()?;
-    let handshake_timeout = opts.handshake_timeout.unwrap_or(Duration::from_millis(
-        crate::config::DEFAULT_HANDSHAKE_TIMEOUT_MS,
-    ));
+    let handshake_timeout = opts
+        .handshake_timeout
+        .unwrap_or(Duration::from_millis(super::DEFAULT_HANDSHAKE_TIMEOUT_MS));
     let metrics = fanout.metrics.clone();
     let secrets = Arc::new(crate::secrets::Secrets::new(tls, opts.auth_token.clone()));
     Ok(Edge {

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::RankEndpoint;
+use super::RankEndpoint;
 use crate::metrics::RankMetrics;
 
 /// A rank's sockets and settings: what the receive loop and the replay client share.

@@ -13,6 +13,7 @@
 //! Nothing downstream runs on a rank thread except that decode-and-commit, so the SUB is drained
 //! as fast as the engine publishes (a full ZMQ pipe would make the engine's PUB drop silently).
 
+mod config;
 mod io;
 mod rank;
 mod replay;
@@ -26,11 +27,14 @@ use std::thread::JoinHandle;
 
 use thiserror::Error;
 
-use crate::config::ServeConfig;
 use crate::decode::{DecodeConfig, Decoder};
 use crate::health::UpstreamState;
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
+pub use config::{
+    IngestConfig, RankEndpoint, DEFAULT_MAX_ENGINE_MESSAGE, DEFAULT_REPLAY_TIMEOUT_MS,
+    MAX_MAX_ENGINE_MESSAGE, MIN_MAX_ENGINE_MESSAGE,
+};
 use io::RankIo;
 use rank::RankWorker;
 use sink::RingSink;
@@ -72,9 +76,11 @@ pub struct Ingest {
 
 impl Ingest {
     /// Creates every socket (so that a bad endpoint fails here, before anything runs), then
-    /// starts one thread per rank.
+    /// starts one thread per rank. `decode` shapes the records (split threshold, filter
+    /// profile); its payload limit is `cfg.max_engine_message`, whatever it says.
     pub fn start(
-        cfg: &ServeConfig,
+        cfg: &IngestConfig,
+        decode: DecodeConfig,
         targets: Vec<Targets>,
         last_upstream: &std::collections::HashMap<u32, u64>,
         metrics: &Arc<Metrics>,
@@ -93,11 +99,9 @@ impl Ingest {
                 m.clear_series(cause.label());
             }
             let decoder = Decoder::new(DecodeConfig {
-                split_threshold: cfg.split_threshold as usize,
-                profile: cfg.profile,
                 // One limit: what ZMQ lets through, the decoder accepts.
                 max_payload: cfg.max_engine_message as usize,
-                ..DecodeConfig::default()
+                ..decode.clone()
             });
             let last = last_upstream.get(&rank.rank).copied();
             workers.push(RankWorker {

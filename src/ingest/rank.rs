@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use super::io::RankIo;
 use super::sink::RingSink;
 use super::upstream::{Pos, RankState, ReplaySource};
+use super::RankEndpoint;
 use super::{wire, IngestError};
-use crate::config::RankEndpoint;
 use crate::health::UpstreamState;
 
 /// Socket monitor events the rank thread follows (docs/engine-wire.md §1: the PUB side never says

@@ -33,6 +33,7 @@
 //! keep theirs.
 
 mod budget;
+mod config;
 mod forward;
 mod h2io;
 mod load;
@@ -52,9 +53,13 @@ use tonic::service::Routes;
 use tonic::Code;
 use tower::ServiceExt;
 
+pub use config::{
+    parse_engine_grpc, EngineGrpc, ProxyConfig, DEFAULT_LOAD_INTERVAL_MS, DEFAULT_SIDECAR_BUFFER,
+    DEFAULT_SIDECAR_CONNECTION_BUFFER, DEFAULT_SIDECAR_STALL_TIMEOUT_MS, MAX_LOAD_INTERVAL_MS,
+    MIN_SIDECAR_CONNECTION_BUFFER, PROXY_MAX_STREAMS_PER_CONNECTION,
+};
 use h2io::{Pipe, RecvBody};
 
-use crate::config::ProxyConfig;
 use crate::metrics::Metrics;
 
 /// How often the engine is probed for health (`grpc.health.v1` in sidecar mode).
@@ -236,7 +241,7 @@ impl Sidecar {
             let parts = edge.into_parts();
             let max_streams = parts
                 .max_streams
-                .unwrap_or(crate::config::PROXY_MAX_STREAMS_PER_CONNECTION);
+                .unwrap_or(PROXY_MAX_STREAMS_PER_CONNECTION);
             let incoming = parts.incoming(listener);
             s.serve(parts.routes.clone(), incoming, max_streams, shutdown)
                 .await;

@@ -22,7 +22,7 @@ use tonic::Status;
 
 use super::budget::STREAM_WINDOW;
 use super::h2io::{RecvBody, SettingsWatch, Tap};
-use crate::config::EngineGrpc;
+use super::EngineGrpc;
 use crate::metrics::Metrics;
 
 /// Connections kept to the engine.

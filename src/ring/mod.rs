@@ -15,6 +15,7 @@
 //! publishes. A subscriber that sees `newest ≥ s` finds `s` in the cache or in the ring.
 
 mod cache;
+mod config;
 mod gauges;
 mod source;
 
@@ -32,6 +33,10 @@ use thiserror::Error;
 
 use crate::metrics::Metrics;
 use cache::{RecentCache, CACHE_MAX_BYTES};
+pub use config::{
+    RingConfig, DEFAULT_RING_SIZE, DEFAULT_SPLIT_THRESHOLD, MAX_RING_SIZE, MAX_SPLIT_THRESHOLD,
+    MIN_RING_SIZE, MIN_SPLIT_THRESHOLD,
+};
 pub use gauges::spawn_heartbeat;
 use gauges::RingMetrics;
 pub use source::{

@@ -1,0 +1,110 @@
+//! Re-publishing on the engines' own ZMQ wire, validated into that edge's settings
+//! ([`crate::publish_zmq::PublishZmqConfig`]).
+
+use serde::Deserialize;
+
+use super::{invalid, ConfigError, Merge};
+
+concern! {
+    /// Re-publishing on the engines' own ZMQ wire (docs/dynamo-llm-d.md).
+    #[command(next_help_heading = "Engine-wire publishing (ZMQ)")]
+    pub struct PublishZmqArgs {
+        /// Bind a ZMQ PUB per DP rank, rank r on PORT + r, carrying every ring record as the
+        /// engine's own `[topic, seq, EventBatch]` (for Dynamo, llm-d and other ZMQ consumers).
+        #[arg(long, value_name = "tcp://HOST:PORT")]
+        pub publish_zmq: Option<String>,
+        /// Also bind the replay ROUTER of rank r on PORT + r (the vLLM replay protocol).
+        #[arg(long, value_name = "tcp://HOST:PORT")]
+        pub publish_zmq_replay: Option<String>,
+        /// Topic frame of published batches.
+        #[arg(long, value_name = "TOPIC")]
+        pub publish_zmq_topic: Option<String>,
+        /// Event encoding: tagged maps (vLLM >= 0.24) or tagged arrays (older consumers).
+        #[arg(long, value_enum)]
+        pub publish_zmq_layout: Option<crate::publish_zmq::WireLayout>,
+    }
+}
+
+impl PublishZmqArgs {
+    pub(super) fn validate(
+        self,
+    ) -> Result<Option<crate::publish_zmq::PublishZmqConfig>, ConfigError> {
+        use crate::publish_zmq::{PublishZmqConfig, TcpEndpoint};
+        let Some(publish) = self.publish_zmq else {
+            for (name, given) in [
+                ("publish-zmq-replay", self.publish_zmq_replay.is_some()),
+                ("publish-zmq-topic", self.publish_zmq_topic.is_some()),
+                ("publish-zmq-layout", self.publish_zmq_layout.is_some()),
+            ] {
+                if given {
+                    return Err(invalid(format!("--{name} needs --publish-zmq")));
+                }
+            }
+            return Ok(None);
+        };
+        let publish = TcpEndpoint::parse("publish-zmq", &publish).map_err(invalid)?;
+        let replay = match &self.publish_zmq_replay {
+            Some(r) => Some(TcpEndpoint::parse("publish-zmq-replay", r).map_err(invalid)?),
+            None => None,
+        };
+        Ok(Some(PublishZmqConfig {
+            publish,
+            replay,
+            topic: self.publish_zmq_topic,
+            layout: self.publish_zmq_layout.unwrap_or_default(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::flags;
+
+    #[test]
+    fn publish_zmq_settings_are_checked() {
+        let err = |a: &[&str]| {
+            let mut v = vec!["--zmq", "tcp://*:5557"];
+            v.extend_from_slice(a);
+            flags(&v).resolve().unwrap_err().to_string()
+        };
+        assert_eq!(
+            err(&["--publish-zmq-topic", "kv"]),
+            "--publish-zmq-topic needs --publish-zmq"
+        );
+        assert!(err(&["--publish-zmq", "ipc:///x"]).contains("must be tcp://HOST:PORT"));
+        assert!(err(&["--publish-zmq", "tcp://*:70000"]).contains("0 to 65535"));
+        assert!(err(&["--publish-zmq", "tcp://:6000"]).contains("no host"));
+        let two = |extra: &[&str]| {
+            let mut v = vec!["--zmq", "tcp://*:5557", "--zmq", "tcp://*:5567"];
+            v.extend_from_slice(extra);
+            flags(&v).resolve().map(|_| ()).map_err(|e| e.to_string())
+        };
+        assert!(two(&["--publish-zmq", "tcp://*:6000"])
+            .unwrap_err()
+            .contains("needs --dp-mode metadata"));
+        let clash = two(&[
+            "--dp-mode",
+            "metadata",
+            "--publish-zmq",
+            "tcp://*:6000",
+            "--publish-zmq-replay",
+            "tcp://*:6001",
+        ])
+        .unwrap_err();
+        assert!(clash.contains("overlap"), "{clash}");
+        two(&[
+            "--dp-mode",
+            "metadata",
+            "--publish-zmq",
+            "tcp://*:6000",
+            "--publish-zmq-replay",
+            "tcp://*:6002",
+        ])
+        .unwrap();
+        assert!(
+            two(&["--dp-mode", "metadata", "--publish-zmq", "tcp://*:65535"])
+                .unwrap_err()
+                .contains("beyond 65535")
+        );
+    }
+}
