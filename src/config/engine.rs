@@ -74,7 +74,19 @@ impl EngineArgs {
                 "--max-engine-message {max_engine_message}: must be between 4KiB ({MIN_MAX_ENGINE_MESSAGE}) and 1GiB ({MAX_MAX_ENGINE_MESSAGE})"
             )));
         }
-        let replay_timeout = Duration::from_millis(replay_timeout_ms);
+        let (ranks, topic, warnings) = self.endpoints()?;
+        let ingest = IngestConfig {
+            ranks,
+            topic,
+            replay_timeout: Duration::from_millis(replay_timeout_ms),
+            max_engine_message,
+        };
+        Ok((ingest, warnings))
+    }
+
+    /// Every rank's endpoints, the topic and the warnings: derived from `--kv-events-config`, or
+    /// else given by `--zmq`, `--zmq-bind`, `--replay` and `--topic` (never both).
+    fn endpoints(self) -> Result<(Vec<RankEndpoint>, String, Vec<String>), ConfigError> {
         let Some(kv_events_config) = &self.kv_events_config else {
             for (given, flag) in [
                 (self.data_parallel_size.is_some(), "--data-parallel-size"),
@@ -86,13 +98,8 @@ impl EngineArgs {
                     )));
                 }
             }
-            let ingest = IngestConfig {
-                ranks: build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?,
-                topic: self.topic.unwrap_or_default(),
-                replay_timeout,
-                max_engine_message,
-            };
-            return Ok((ingest, Vec::new()));
+            let ranks = build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?;
+            return Ok((ranks, self.topic.unwrap_or_default(), Vec::new()));
         };
         let explicit: Vec<&str> = [
             (!self.zmq.is_empty(), "--zmq"),
@@ -127,13 +134,7 @@ impl EngineArgs {
                 format!("--kv-events-config: ignoring {k:?}, which no engine's KVEventsConfig has")
             })
             .collect();
-        let ingest = IngestConfig {
-            ranks: derived.ranks,
-            topic: derived.topic,
-            replay_timeout,
-            max_engine_message,
-        };
-        Ok((ingest, warnings))
+        Ok((derived.ranks, derived.topic, warnings))
     }
 }
 

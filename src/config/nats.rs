@@ -66,29 +66,7 @@ impl NatsArgs {
             }
             return Ok(None);
         };
-        let urls: Vec<String> = urls
-            .split(',')
-            .map(str::trim)
-            .filter(|u| !u.is_empty())
-            .map(str::to_string)
-            .collect();
-        if urls.is_empty() {
-            return Err(invalid("--nats: no server URL given"));
-        }
-        for u in &urls {
-            let rest = u.split_once("://").map_or(u.as_str(), |(scheme, rest)| {
-                if matches!(scheme, "nats" | "tls") {
-                    rest
-                } else {
-                    ""
-                }
-            });
-            if rest.is_empty() || rest.contains('/') {
-                return Err(invalid(format!(
-                    "--nats {u:?}: not a NATS server URL (try nats://host:4222)"
-                )));
-            }
-        }
+        let urls = server_urls(&urls)?;
         let prefix = self
             .nats_subject_prefix
             .unwrap_or_else(|| DEFAULT_NATS_SUBJECT_PREFIX.to_string());
@@ -143,6 +121,34 @@ impl NatsArgs {
             required: self.nats_required,
         }))
     }
+}
+
+/// `--nats`: comma-separated `nats://` or `tls://` URLs (a bare `host:port` too), at least one.
+fn server_urls(text: &str) -> Result<Vec<String>, ConfigError> {
+    let urls: Vec<String> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_string)
+        .collect();
+    if urls.is_empty() {
+        return Err(invalid("--nats: no server URL given"));
+    }
+    for u in &urls {
+        let rest = u.split_once("://").map_or(u.as_str(), |(scheme, rest)| {
+            if matches!(scheme, "nats" | "tls") {
+                rest
+            } else {
+                ""
+            }
+        });
+        if rest.is_empty() || rest.contains('/') {
+            return Err(invalid(format!(
+                "--nats {u:?}: not a NATS server URL (try nats://host:4222)"
+            )));
+        }
+    }
+    Ok(urls)
 }
 
 #[cfg(test)]
