@@ -27,9 +27,9 @@ use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use kvbridge::decode::{DecodeConfig, Decoder, RecordHeader};
 use kvbridge::metrics::Metrics;
 use kvbridge::ring::RingHub;
-use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
 use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics, Table, CHUNK_MAX};
 use kvbridge_shm::{RecordMeta, WriterOptions};
+use kvbridge_tools::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
 
 /// Ring metadata of every benchmark record (rank 0; the values do not matter here).
 const META: RecordMeta = RecordMeta {
@@ -263,7 +263,7 @@ fn bench_snapshot(c: &mut Criterion) {
     // the payloads exist before and after: the RSS difference is the table's (with the
     // allocator's overhead, which `Table::bytes` leaves out)
     let ps = big_payloads();
-    let rss = || kvbridge::bench::proc_stats::status_kib(std::process::id(), "VmRSS").unwrap_or(0);
+    let rss = || kvbridge::metrics::process::status_kib(std::process::id(), "VmRSS").unwrap_or(0);
     let rss0 = rss();
     let t = table_of(&ps);
     let rss1 = rss();

@@ -11,16 +11,17 @@
 //!   DEALER       place
 //! ```
 //!
-//! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command),
+//! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command's product
+//! subcommands; the load generator and the simulated engine are the `kvbridge-tools` crate),
 //! [`metrics`] (Prometheus), [`health`] (upstream connections → `grpc.health.v1`), [`net`]
 //! (the listeners' accept loop and the gRPC handshake deadline) and [`secrets`] (the TLS
 //! certificate and token, reloaded when they rotate). The wire
 //! formats are specified in docs/engine-wire.md (engine side) and
 //! docs/smg-api.md (gateway side).
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
-pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod config;
@@ -37,6 +38,5 @@ pub mod proxy;
 pub mod publish_zmq;
 pub mod ring;
 pub mod secrets;
-pub mod sim;
 pub mod sink;
 pub mod snapshot;

@@ -1,54 +1,41 @@
-//! The `kvbridge` command: `serve`, `subscribe`, `tail`, `demo`, `bench`.
+//! The product's `kvbridge` subcommands: `serve`, `subscribe`, `tail`. The binary (`cli/`) puts
+//! the tools' (`demo`, `bench`: the `kvbridge-tools` crate) after them on one command line.
 //!
 //! Exit codes: 0 success; 1 a stream or run that ended badly (the status is printed); 2 a bad
 //! flag, an unusable configuration, an unreachable or occupied endpoint — always one line on
 //! stderr naming the problem, never a backtrace.
 
-mod bench;
-mod demo;
 mod json;
 mod serve;
 mod subscribe;
 mod subscribe_nats;
 mod tail;
 
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::Subcommand;
 
 pub use json::BatchPrinter;
-pub use serve::{run_service, ServiceHandle};
+pub use serve::{run_service, ServiceHandle, StopSignals};
 
-/// Everything `kvbridge` can do.
-#[derive(Parser, Debug)]
-#[command(name = "kvbridge", version, about = "Engine KV-cache events → shared-memory ring → SMG SubscribeKvEvents", long_about = None)]
-pub struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
+/// The product's subcommands.
 #[derive(Subcommand, Debug)]
-enum Command {
+pub enum Command {
     /// Run the bridge: engine ZMQ → ring → gRPC fan-out.
     Serve(Box<crate::config::ServeArgs>),
     /// Subscribe over gRPC and print each batch as one line of proto3 canonical JSON.
-    Subscribe(subscribe::SubscribeArgs),
+    Subscribe(Box<subscribe::SubscribeArgs>),
     /// Read the ring directly (no socket) and print each batch as one line of JSON.
     Tail(tail::TailArgs),
-    /// Run the whole path on a built-in engine and show live stats (no engine needed).
-    Demo(demo::DemoArgs),
-    /// Measure latency, loss, CPU and memory under an open-loop load.
-    Bench(bench::BenchArgs),
-    /// What the snapshot table and its checkpoints cost a bridge holding many blocks: CPU and
-    /// memory of bridges with and without it, fed the same churn in one run.
-    BenchCheckpoints(bench::BenchCheckpointsArgs),
-    /// One shared-memory reader process of `bench` (internal).
-    #[command(hide = true)]
-    BenchReader(bench::BenchReaderArgs),
-    /// The sender process of `bench --floor` (internal).
-    #[command(hide = true)]
-    BenchFloor(bench::BenchFloorArgs),
-    /// The bare JetStream publisher of `bench --nats-floor` (internal).
-    #[command(hide = true)]
-    BenchNatsFloor(bench::BenchNatsFloorArgs),
+}
+
+impl Command {
+    /// Runs the subcommand.
+    pub fn run(self) -> Result<(), CliError> {
+        match self {
+            Command::Serve(a) => serve::run(*a),
+            Command::Subscribe(a) => subscribe::run(*a),
+            Command::Tail(a) => tail::run(a),
+        }
+    }
 }
 
 /// A failure that ends the command, with its exit code.
@@ -71,26 +58,16 @@ impl CliError {
     }
 }
 
-/// Entry point used by `main`; returns the process exit code.
-pub fn main() -> i32 {
-    // clap prints usage errors itself and exits with 2. `serve`'s help gets each flag's default
-    // from the constants (config::with_defaults): the flags have no clap defaults, so that a TOML
-    // file can supply what the command line does not.
-    let matches = Cli::command()
-        .mut_subcommand("serve", crate::config::with_defaults)
-        .get_matches();
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let result = match cli.command {
-        Command::Serve(a) => serve::run(*a),
-        Command::Subscribe(a) => subscribe::run(a),
-        Command::Tail(a) => tail::run(a),
-        Command::Demo(a) => demo::run(a),
-        Command::Bench(a) => bench::run(a),
-        Command::BenchCheckpoints(a) => bench::run_checkpoints(a),
-        Command::BenchReader(a) => bench::run_reader(a),
-        Command::BenchFloor(a) => bench::run_floor_sender(a),
-        Command::BenchNatsFloor(a) => bench::run_nats_floor(a),
-    };
+/// The `kvbridge` command line, as built from its subcommands, made ready to parse: clap prints
+/// usage errors itself and exits with 2. `serve`'s help gets each flag's default from the
+/// constants (config::with_defaults): the flags have no clap defaults, so that a TOML file can
+/// supply what the command line does not.
+pub fn with_serve_defaults(cmd: clap::Command) -> clap::Command {
+    cmd.mut_subcommand("serve", crate::config::with_defaults)
+}
+
+/// The process exit code of a command's result; a failure is printed first, on one line.
+pub fn exit_code(result: Result<(), CliError>) -> i32 {
     match result {
         Ok(()) => 0,
         Err(e) => {
@@ -101,7 +78,7 @@ pub fn main() -> i32 {
 }
 
 /// A multi-threaded tokio runtime sized for a small machine.
-fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
+pub fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -112,7 +89,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
 /// Logs go to stderr; `RUST_LOG` overrides the default level (info). Colour only when stderr is a
 /// terminal and `NO_COLOR` is unset or empty (<https://no-color.org>), so that files, pipes and
 /// journald get plain text.
-fn init_tracing(format: crate::config::LogFormat) {
+pub fn init_tracing(format: crate::config::LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let ansi = log_colour(

@@ -47,14 +47,14 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
 }
 
 /// SIGTERM and SIGINT (Ctrl-C), caught from the moment they are installed.
-pub(super) struct StopSignals {
+pub struct StopSignals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
 }
 
 impl StopSignals {
     /// Installs the handlers (needs a running tokio runtime).
-    pub(super) fn install() -> Result<Self, CliError> {
+    pub fn install() -> Result<Self, CliError> {
         use tokio::signal::unix::{signal, SignalKind};
         let install = |kind| {
             signal(kind)
@@ -67,7 +67,7 @@ impl StopSignals {
     }
 
     /// Waits for either signal.
-    pub(super) async fn recv(&mut self) {
+    pub async fn recv(&mut self) {
         tokio::select! {
             _ = self.term.recv() => {}
             _ = self.int.recv() => {}

@@ -7,7 +7,7 @@ use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 
 /// `kvbridge subscribe` flags.
 #[derive(clap::Args, Debug)]
-pub(super) struct SubscribeArgs {
+pub struct SubscribeArgs {
     /// Bridge address (`HOST:PORT` or `http://HOST:PORT`).
     #[arg(long, default_value = crate::fanout::DEFAULT_GRPC)]
     grpc: String,

@@ -9,7 +9,7 @@ use super::{BatchPrinter, CliError};
 
 /// `kvbridge tail` flags.
 #[derive(clap::Args, Debug)]
-pub(super) struct TailArgs {
+pub struct TailArgs {
     /// Ring file written by `kvbridge serve`.
     #[arg(long, value_name = "PATH")]
     shm: PathBuf,

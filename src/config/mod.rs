@@ -141,11 +141,7 @@ pub use snapshot::SnapshotArgs;
 pub use streaming::{ProfileArg, StreamingArgs};
 pub use values::{parse_addr, parse_duration, parse_size, validate_endpoint, ByteSize};
 
-// The sink's settings are the sink's own; named here too for the commands that build them.
-pub use crate::sink::{
-    is_subject_token, NatsConfig, DEFAULT_NATS_MAX_AGE, DEFAULT_NATS_REPLICAS, DEFAULT_NATS_STREAM,
-    DEFAULT_NATS_SUBJECT_PREFIX,
-};
+use crate::sink::NatsConfig;
 
 /// `kvbridge serve` flags, which are also the keys of its TOML file. Every setting is optional
 /// here so that the file can supply it; [`ServeArgs::resolve`] merges and validates.

@@ -101,7 +101,7 @@ impl Decoder {
 mod tests {
     use super::*;
     use crate::decode::{DecodeConfig, RecordHeader};
-    use crate::sim::{encode_batch, Layout, Workload};
+    use kvbridge_tools::sim::{encode_batch, Layout, Workload};
 
     /// Every store's blocks, as the visitor gets them.
     #[derive(Default)]

@@ -8,8 +8,7 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     let (utime, stime): (u64, u64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
-    // SAFETY: sysconf has no preconditions; it only reads a system constant.
-    let tck = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let tck = rustix::param::clock_ticks_per_second();
     Some((utime + stime) as f64 / tck.max(1) as f64)
 }
 

@@ -265,15 +265,7 @@ fn trim_heap() {
     rt.spawn(async {
         tokio::time::sleep(TRIM_DELAY).await;
         PENDING.store(false, Ordering::Release);
-        let _ = tokio::task::spawn_blocking(|| {
-            #[cfg(all(target_os = "linux", target_env = "gnu"))]
-            // SAFETY: malloc_trim takes no pointer and only returns free pages of the
-            // allocator's own heaps to the system; glibc makes it thread-safe.
-            unsafe {
-                libc::malloc_trim(0);
-            }
-        })
-        .await;
+        let _ = tokio::task::spawn_blocking(kvbridge_sys::trim_heap).await;
     });
 }
 

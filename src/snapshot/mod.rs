@@ -664,8 +664,8 @@ pub fn spawn_checkpointer(
 mod tests {
     use super::*;
     use crate::decode::{DecodeConfig, Decoder};
-    use crate::sim::{encode_batch, Layout, Workload};
     use kvbridge_shm::WriterOptions;
+    use kvbridge_tools::sim::{encode_batch, Layout, Workload};
 
     /// An image's content, independent of the map's order and of attribute ids.
     type Canon = (

@@ -19,7 +19,10 @@ fn vectors() -> Vec<Vec<u8>> {
 
 #[test]
 fn malformed_corpus() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/corpus/decode-malformed");
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/corpus/decode-malformed"
+    );
     let mut n = 0;
     let mut errors = 0;
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -70,7 +73,10 @@ fn mutated_vectors_long() {
 fn mutate(iterations: u32, seed: u64) {
     let mut vs = vectors();
     // also mutate the corpus seeds (huge headers, deep nesting, …)
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/corpus/decode-malformed");
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/corpus/decode-malformed"
+    );
     for e in std::fs::read_dir(dir).unwrap() {
         let d = std::fs::read(e.unwrap().path()).unwrap();
         if !d.is_empty() {

@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::*;
-use kvbridge::sim::Layout;
+use kvbridge_tools::sim::Layout;
 
 const T: Duration = Duration::from_secs(30);
 
@@ -356,7 +356,7 @@ async fn kv_events_config_alone_finds_every_rank() {
     let mut want = Vec::new();
     for (r, e) in engines.iter().enumerate() {
         let ev = store(100 + r as u64, 2, None);
-        if let kvbridge::sim::SimEvent::Stored { hashes, .. } = &ev {
+        if let kvbridge_tools::sim::SimEvent::Stored { hashes, .. } = &ev {
             want.extend(hashes.iter().copied());
         }
         e.publish(Layout::Sglang0523, vec![ev], r as u32);

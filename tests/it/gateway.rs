@@ -31,7 +31,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{free_port, layout, metric, repo, store, Bridge, Engine};
-use kvbridge::sim::SimEvent;
+use kvbridge_tools::sim::SimEvent;
 
 const T: Duration = Duration::from_secs(60);
 const BLOCK: usize = 16;

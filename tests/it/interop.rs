@@ -23,7 +23,7 @@ use kvbridge::proto::common::{
     kv_block_extra_key::Key, kv_cache_event::Data, KvBlock, KvBlockExtraKey, KvCacheEvent,
     KvEventBatch,
 };
-use kvbridge::sim::{Layout, SimEvent};
+use kvbridge_tools::sim::{Layout, SimEvent};
 use prost::Message;
 use serde_json::{json, Value};
 

@@ -31,8 +31,8 @@ use common::{free_port, Bridge, Engine};
 use futures_util::StreamExt;
 use kvbridge::proto::common::kv_cache_event::Data;
 use kvbridge::proto::common::KvEventBatch;
-use kvbridge::sim::{encode_batch, Layout, Workload};
 use kvbridge_shm::{ReadOutcome, RingReader};
+use kvbridge_tools::sim::{encode_batch, Layout, Workload};
 use prost::Message;
 
 /// The `nats-server` binary, installed once per test process.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use kvbridge::proto::common::{kv_cache_event::Data, SubscribeKvEventsRequest};
 use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
-use kvbridge::sim::{encode_batch, Layout, Rng, SimEvent};
+use kvbridge_tools::sim::{encode_batch, Layout, Rng, SimEvent};
 use tonic::transport::Channel;
 
 const T: Duration = Duration::from_secs(30);

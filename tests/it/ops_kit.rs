@@ -178,7 +178,7 @@ async fn every_metric_the_dashboard_and_the_alerts_query_is_served() {
     let mut parent = None;
     for i in 0..10 {
         let ev = store(100 + i, 2, parent);
-        if let kvbridge::sim::SimEvent::Stored { hashes, .. } = &ev {
+        if let kvbridge_tools::sim::SimEvent::Stored { hashes, .. } = &ev {
             parent = hashes.last().copied();
         }
         e.publish(common::layout(i as usize), vec![ev], 0);
@@ -186,7 +186,7 @@ async fn every_metric_the_dashboard_and_the_alerts_query_is_served() {
     e.with(|p| p.publish(vec![0xc1, 1, 2, 3]));
     e.with(|p| p.send_raw(&[b"", &[0u8; 3], b"x"]).unwrap());
     e.with(|p| {
-        p.publish_dropped(kvbridge::sim::encode_batch(
+        p.publish_dropped(kvbridge_tools::sim::encode_batch(
             common::layout(0),
             1.0,
             &[store(7, 1, None)],

@@ -24,10 +24,10 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::*;
-use kvbridge::bench::RawCodec;
 use kvbridge::proto::common::SubscribeKvEventsRequest;
-use kvbridge::sim::Layout;
 use kvbridge_shm::RingReader;
+use kvbridge_tools::bench::RawCodec;
+use kvbridge_tools::sim::Layout;
 use prost::Message;
 use serde_json::Value;
 

@@ -14,8 +14,8 @@ use std::sync::{Arc, Barrier};
 use kvbridge::decode::{ClearedBatch, DecodeConfig, Decoder};
 use kvbridge::metrics::Metrics;
 use kvbridge::ring::{ClearCause, Published, RingHub};
-use kvbridge::sim::{encode_batch, Layout, SimEvent};
 use kvbridge_shm::{RecordMeta, WriterOptions};
+use kvbridge_tools::sim::{encode_batch, Layout, SimEvent};
 
 const ROUNDS: u64 = 250_000;
 const PUBLISHERS: u64 = 8;

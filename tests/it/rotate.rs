@@ -61,7 +61,7 @@ fn publish(e: &Engine, seed: u64, n: usize) -> Vec<u64> {
     let mut want = Vec::new();
     for i in 0..n as u64 {
         let ev = store(seed + i, 1, None);
-        if let kvbridge::sim::SimEvent::Stored { hashes, .. } = &ev {
+        if let kvbridge_tools::sim::SimEvent::Stored { hashes, .. } = &ev {
             want.extend(hashes.iter().copied());
         }
         e.publish(layout(i as usize), vec![ev], 0);

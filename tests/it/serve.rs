@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use kvbridge::proto::common::KvEventBatch;
-use kvbridge::sim::{encode_batch, Layout, SimEvent};
+use kvbridge_tools::sim::{encode_batch, Layout, SimEvent};
 use prost::Message;
 
 const T: Duration = Duration::from_secs(30);

@@ -19,7 +19,7 @@ use kvbridge::proto::common::{
     kv_cache_event::Data, KvBlocksRemoved, KvBlocksStored, KvEventBatch, SubscribeKvEventsRequest,
 };
 use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
-use kvbridge::sim::{Layout, Rng, SimEvent};
+use kvbridge_tools::sim::{Layout, Rng, SimEvent};
 
 const T: Duration = Duration::from_secs(60);
 

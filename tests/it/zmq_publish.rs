@@ -307,10 +307,10 @@ fn full_batch_decoded(rank: u32) -> Value {
 
 fn warm_batch(rank: u32) -> Vec<u8> {
     // A removal of a hash nobody holds: harmless to every consumer.
-    kvbridge::sim::encode_batch(
-        kvbridge::sim::Layout::Vllm033,
+    kvbridge_tools::sim::encode_batch(
+        kvbridge_tools::sim::Layout::Vllm033,
         1_700_000_000.0,
-        &[kvbridge::sim::SimEvent::Removed {
+        &[kvbridge_tools::sim::SimEvent::Removed {
             hashes: vec![999_999],
             medium: Some("GPU".into()),
         }],
@@ -556,10 +556,10 @@ fn late_joiner_after_wrap_and_restart_gets_the_whole_state() {
     let mut live = BTreeSet::new();
     for i in 0..20u64 {
         let ev = common::store(10_000 + i, 4, None);
-        if let kvbridge::sim::SimEvent::Stored { hashes, .. } = &ev {
+        if let kvbridge_tools::sim::SimEvent::Stored { hashes, .. } = &ev {
             live.extend(hashes.iter().copied());
         }
-        engine.publish(kvbridge::sim::Layout::Vllm033, vec![ev], 0);
+        engine.publish(kvbridge_tools::sim::Layout::Vllm033, vec![ev], 0);
     }
     let mut n = 0u64;
     let wrapped = || {
@@ -570,14 +570,14 @@ fn late_joiner_after_wrap_and_restart_gets_the_whole_state() {
         for _ in 0..50 {
             let ev = common::store(1_000_000 + n, 8, None);
             let hashes = match &ev {
-                kvbridge::sim::SimEvent::Stored { hashes, .. } => hashes.clone(),
+                kvbridge_tools::sim::SimEvent::Stored { hashes, .. } => hashes.clone(),
                 _ => unreachable!(),
             };
             engine.publish(
-                kvbridge::sim::Layout::Vllm033,
+                kvbridge_tools::sim::Layout::Vllm033,
                 vec![
                     ev,
-                    kvbridge::sim::SimEvent::Removed {
+                    kvbridge_tools::sim::SimEvent::Removed {
                         hashes,
                         medium: Some("GPU".into()),
                     },
@@ -662,7 +662,7 @@ fn bad_consumers_do_not_hold_anyone_else() {
     let ctx = zmq::Context::new();
     for i in 0..200u64 {
         engine.publish(
-            kvbridge::sim::Layout::Vllm033,
+            kvbridge_tools::sim::Layout::Vllm033,
             vec![common::store(i, 4, None)],
             0,
         );
@@ -722,7 +722,7 @@ fn bad_consumers_do_not_hold_anyone_else() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     for i in 0..300u64 {
         engine.publish(
-            kvbridge::sim::Layout::Vllm033,
+            kvbridge_tools::sim::Layout::Vllm033,
             vec![common::store(5_000 + i, 4, None)],
             0,
         );
@@ -872,9 +872,9 @@ impl Drop for Indexer {
     }
 }
 
-fn tokens_of(ev: &kvbridge::sim::SimEvent) -> Vec<u32> {
+fn tokens_of(ev: &kvbridge_tools::sim::SimEvent) -> Vec<u32> {
     match ev {
-        kvbridge::sim::SimEvent::Stored { tokens, .. } => tokens.clone(),
+        kvbridge_tools::sim::SimEvent::Stored { tokens, .. } => tokens.clone(),
         _ => unreachable!(),
     }
 }
@@ -888,12 +888,17 @@ fn score(v: &Value, instance: u64, rank: u32) -> u64 {
 
 /// Publishes `marker` (a store, idempotent) until every instance of `instances` scores its 4
 /// blocks: each has then applied everything published before it.
-fn settle(ix: &Indexer, engine: &Engine, marker: &kvbridge::sim::SimEvent, instances: &[u64]) {
+fn settle(
+    ix: &Indexer,
+    engine: &Engine,
+    marker: &kvbridge_tools::sim::SimEvent,
+    instances: &[u64],
+) {
     let tokens = tokens_of(marker);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let m = marker.clone();
-        engine.publish(kvbridge::sim::Layout::Vllm033, vec![m], 0);
+        engine.publish(kvbridge_tools::sim::Layout::Vllm033, vec![m], 0);
         let v = ix.scores(&tokens);
         if instances.iter().all(|i| score(&v, *i, 0) == 64) {
             return;
@@ -932,7 +937,7 @@ fn dynamo_indexer_scores_right_through_kvbridge_and_wrong_from_the_engine() {
     ix.register(2, 0, &pub_ep, &replay_ep);
     let a = common::store(1, 4, None);
     let ta = tokens_of(&a);
-    engine.publish(kvbridge::sim::Layout::Vllm033, vec![a], 0);
+    engine.publish(kvbridge_tools::sim::Layout::Vllm033, vec![a], 0);
     settle(&ix, &engine, &common::store(2, 4, None), &[1, 2]);
     let v = ix.scores(&ta);
     assert_eq!((score(&v, 1, 0), score(&v, 2, 0)), (64, 64), "{v}");
@@ -959,7 +964,7 @@ fn dynamo_indexer_scores_right_through_kvbridge_and_wrong_from_the_engine() {
     // then an indexer registration that has never seen this engine.
     let l = common::store(4, 4, None);
     let tl = tokens_of(&l);
-    engine.publish(kvbridge::sim::Layout::Vllm033, vec![l], 0);
+    engine.publish(kvbridge_tools::sim::Layout::Vllm033, vec![l], 0);
     let mut n = 0u64;
     loop {
         let page = scrape(maddr);
@@ -969,14 +974,14 @@ fn dynamo_indexer_scores_right_through_kvbridge_and_wrong_from_the_engine() {
         for _ in 0..50 {
             let ev = common::store(2_000_000 + n, 8, None);
             let hashes = match &ev {
-                kvbridge::sim::SimEvent::Stored { hashes, .. } => hashes.clone(),
+                kvbridge_tools::sim::SimEvent::Stored { hashes, .. } => hashes.clone(),
                 _ => unreachable!(),
             };
             engine.publish(
-                kvbridge::sim::Layout::Vllm033,
+                kvbridge_tools::sim::Layout::Vllm033,
                 vec![
                     ev,
-                    kvbridge::sim::SimEvent::Removed {
+                    kvbridge_tools::sim::SimEvent::Removed {
                         hashes,
                         medium: Some("GPU".into()),
                     },
@@ -1041,8 +1046,8 @@ fn dynamo_indexer_reads_two_ranks_on_port_plus_rank() {
     let (tx, ty) = (tokens_of(&x), tokens_of(&y));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        e0.publish(kvbridge::sim::Layout::Vllm033, vec![x.clone()], 0);
-        e1.publish(kvbridge::sim::Layout::Vllm022, vec![y.clone()], 1);
+        e0.publish(kvbridge_tools::sim::Layout::Vllm033, vec![x.clone()], 0);
+        e1.publish(kvbridge_tools::sim::Layout::Vllm022, vec![y.clone()], 1);
         let (vx, vy) = (ix.scores(&tx), ix.scores(&ty));
         if score(&vx, 7, 0) == 64 && score(&vy, 7, 1) == 64 {
             assert_eq!(score(&vx, 7, 1), 0, "rank 0's blocks on rank 1: {vx}");

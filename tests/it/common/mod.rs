@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch, SubscribeKvEventsRequest};
 use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
-use kvbridge::sim::{encode_batch, EnginePublisher, Layout, SimEvent, Workload};
+use kvbridge_tools::sim::{encode_batch, EnginePublisher, Layout, SimEvent, Workload};
 
 /// A free TCP port on loopback (bound and released).
 pub fn free_port() -> u16 {
@@ -593,9 +593,9 @@ pub fn wait_metrics(addr: SocketAddr, timeout: Duration, pred: impl Fn(&str) -> 
     })
 }
 
-/// The repository root (the root crate's manifest directory).
+/// The repository root (the parent of cli/, the package these tests belong to).
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 /// Cargo's target dir, from the path of the binary under test (`<target>/<profile>/kvbridge`):

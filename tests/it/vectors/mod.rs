@@ -3,10 +3,7 @@
 #![allow(dead_code)]
 
 /// The vector file, embedded at build time from the repository's own test data.
-pub const VECTORS: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/tests/data/engine-vectors.json"
-));
+pub const VECTORS: &str = include_str!("../../data/engine-vectors.json");
 
 /// Hex to bytes.
 pub fn unhex(s: &str) -> Vec<u8> {

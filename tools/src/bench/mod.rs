@@ -240,7 +240,7 @@ impl Publisher {
                     .collect();
                 fine_timer_slack();
                 let start = Instant::now();
-                let wall0 = crate::clock::unix_seconds();
+                let wall0 = kvbridge::clock::unix_seconds();
                 let period_ns = 1e9 / rate as f64;
                 let mut i: u64 = 0;
                 while !sc.load(Ordering::Relaxed) {
@@ -479,17 +479,18 @@ pub fn table(r: &BenchResult) -> String {
 /// Sets the calling thread's timer slack to 1 µs (default 50 µs) so that the short sleeps of a
 /// pacing loop end on time.
 pub(crate) fn fine_timer_slack() {
-    // SAFETY: PR_SET_TIMERSLACK takes a plain integer and only changes this thread's timer
-    // slack; no memory is passed to the kernel.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
+    let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1000));
 }
 
 /// Stops a `kvbridge serve` child the bench started: SIGTERM, up to `patience` for a clean exit
 /// (so its shutdown path runs, as in production), then SIGKILL; then removes its ring with
-/// everything beside it ([`crate::snapshot::remove_ring`]).
+/// everything beside it ([`kvbridge::snapshot::remove_ring`]).
 pub fn stop_bridge(child: &mut std::process::Child, shm: &std::path::Path, patience: Duration) {
-    // SAFETY: kill(2) on our own child's pid; at worst it already exited and the call fails.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // At worst it already exited and the call fails.
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_child(child),
+        rustix::process::Signal::TERM,
+    );
     let deadline = Instant::now() + patience;
     while Instant::now() < deadline {
         if let Ok(Some(_)) = child.try_wait() {
@@ -499,5 +500,5 @@ pub fn stop_bridge(child: &mut std::process::Child, shm: &std::path::Path, patie
     }
     let _ = child.kill();
     let _ = child.wait();
-    let _ = crate::snapshot::remove_ring(shm);
+    let _ = kvbridge::snapshot::remove_ring(shm);
 }

@@ -133,7 +133,7 @@ impl SinkFigures {
 /// JetStream publisher, no kvbridge in the path: the same `KvEventBatch` payloads (the bench mix
 /// run through the decoder), the same headers (`Kvbridge-Seq`, `Kvbridge-Ring-Id`,
 /// `Kvbridge-Dp-Rank`, `Nats-Msg-Id`), the same bound on acknowledgements in flight
-/// ([`crate::sink::MAX_IN_FLIGHT`], awaited in order), into the same stream, paced by the clock
+/// ([`kvbridge::sink::MAX_IN_FLIGHT`], awaited in order), into the same stream, paced by the clock
 /// at the bench rate. Its lag is measured from each message's scheduled time (the analogue of a
 /// record's commit in the ring) to JetStream's acknowledgement, so whatever it shows is what the
 /// NATS cluster on this machine costs any publisher of this shape.
@@ -146,11 +146,11 @@ pub mod floor {
     use async_nats::jetstream;
 
     use crate::bench::Mix;
-    use crate::config::NatsConfig;
-    use crate::decode::{DecodeConfig, Decoder};
-    use crate::ring::RecordHeader;
     use crate::sim::{encode_batch, Layout, Workload};
-    use crate::sink::{HEADER_DP_RANK, HEADER_RING_ID, HEADER_SEQ, MAX_IN_FLIGHT};
+    use kvbridge::decode::{DecodeConfig, Decoder};
+    use kvbridge::ring::RecordHeader;
+    use kvbridge::sink::NatsConfig;
+    use kvbridge::sink::{HEADER_DP_RANK, HEADER_RING_ID, HEADER_SEQ, MAX_IN_FLIGHT};
 
     /// What the floor publisher does.
     #[derive(Clone, Debug)]
@@ -254,12 +254,12 @@ pub mod floor {
             tls_ca: None,
             required: false,
         };
-        let client = crate::sink::connect(&ncfg, "kvbridge bench floor")
+        let client = kvbridge::sink::connect(&ncfg, "kvbridge bench floor")
             .await
             .map_err(|e| e.to_string())?;
         let mut js = jetstream::new(client.clone());
-        js.set_timeout(crate::sink::ACK_TIMEOUT);
-        crate::sink::ensure_stream(&js, &ncfg)
+        js.set_timeout(kvbridge::sink::ACK_TIMEOUT);
+        kvbridge::sink::ensure_stream(&js, &ncfg)
             .await
             .map_err(|e| e.to_string())?;
         let pool = payloads(cfg.mix);
@@ -268,7 +268,7 @@ pub mod floor {
         let pid = std::process::id();
         let subject =
             async_nats::Subject::from(format!("{}.floor-{pid}.merged", ncfg.subject_prefix));
-        let ring_id = format!("{:016x}", crate::clock::unix_nanos() ^ u64::from(pid));
+        let ring_id = format!("{:016x}", kvbridge::clock::unix_nanos() ^ u64::from(pid));
 
         // The clock: a thread hands out (index, scheduled Unix ns) at the rate, like commits
         // in the ring wake the sink.
@@ -280,7 +280,7 @@ pub mod floor {
             .spawn(move || {
                 crate::bench::fine_timer_slack();
                 let start = Instant::now();
-                let wall0 = crate::clock::unix_nanos();
+                let wall0 = kvbridge::clock::unix_nanos();
                 let period_ns = 1e9 / rate as f64;
                 for i in 0..total {
                     let off = Duration::from_nanos((i as f64 * period_ns) as u64);
@@ -325,7 +325,7 @@ pub mod floor {
                     let done = inflight.pop_front().expect("checked");
                     match r {
                         Ok(_) if done.i >= measure_from => {
-                            lags.push(crate::clock::unix_nanos().saturating_sub(done.due_ns));
+                            lags.push(kvbridge::clock::unix_nanos().saturating_sub(done.due_ns));
                             last_ack = Instant::now();
                         }
                         Ok(_) => {}
@@ -344,7 +344,7 @@ pub mod floor {
                     h.insert(HeaderName::from_static(HEADER_SEQ), i.to_string());
                     h.insert(HeaderName::from_static(HEADER_RING_ID), ring_id.as_str());
                     h.insert(HeaderName::from_static(HEADER_DP_RANK), "0");
-                    h.insert(HeaderName::from_static(crate::sink::HEADER_MSG_ID), format!("{ring_id}:{i}"));
+                    h.insert(HeaderName::from_static(kvbridge::sink::HEADER_MSG_ID), format!("{ring_id}:{i}"));
                     let payload = pool[(i % pool.len() as u64) as usize].clone();
                     match js.publish_with_headers(subject.clone(), h, payload).await {
                         Ok(a) => inflight.push_back(Pending { i, due_ns, ack: a.into_future() }),
@@ -386,8 +386,8 @@ pub mod floor {
             let pool = super::payloads(super::Mix::Serving);
             assert!(pool.len() >= 256);
             for (i, b) in pool.iter().enumerate() {
-                let batch =
-                    crate::proto::common::KvEventBatch::decode(b.as_ref()).expect("a KvEventBatch");
+                let batch = kvbridge::proto::common::KvEventBatch::decode(b.as_ref())
+                    .expect("a KvEventBatch");
                 assert_eq!(batch.sequence_number, 1_000_000 + i as u64);
                 assert!(!batch.events.is_empty());
             }

@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::proc_stats;
-use crate::proto::common::SubscribeKvEventsRequest;
 use crate::sim::{encode_batch, EnginePublisher, Layout, Rng, SimEvent, Workload};
+use kvbridge::proto::common::SubscribeKvEventsRequest;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -255,7 +255,7 @@ fn start_bridge(
     };
     let shm = dir.join(format!("kvbridge-ckbench-{}-{name}", std::process::id()));
     let _ = kvbridge_shm::remove_ring(&shm);
-    let _ = std::fs::remove_file(crate::snapshot::checkpoint_path(&shm));
+    let _ = std::fs::remove_file(kvbridge::snapshot::checkpoint_path(&shm));
     let child = Command::new(exe)
         .args(["serve", "--zmq", &ep, "--replay", &rep, "--seq-base", "1"])
         .args(["--grpc", &grpc.to_string()])
@@ -293,7 +293,7 @@ fn fill_store(rng: &mut Rng, blocks: usize) -> Vec<u8> {
         block_size: 16,
         medium: Some("GPU".into()),
     };
-    encode_batch(Layout::Vllm0102, crate::clock::unix_seconds(), &[ev], 0)
+    encode_batch(Layout::Vllm0102, kvbridge::clock::unix_seconds(), &[ev], 0)
 }
 
 /// What the load thread publishes.
@@ -343,7 +343,7 @@ impl Load {
                     sched = Some((kind, rate, start, i));
                     continue;
                 }
-                let ts = crate::clock::unix_seconds() - now.duration_since(due).as_secs_f64();
+                let ts = kvbridge::clock::unix_seconds() - now.duration_since(due).as_secs_f64();
                 let events = if kind == SERVING {
                     w.next_batch()
                 } else {
@@ -637,7 +637,7 @@ async fn first_message(grpc: &str) -> Result<f64, String> {
     let ch = channel(grpc).await?;
     let mut grpc_c = tonic::client::Grpc::new(ch);
     grpc_c.ready().await.map_err(|e| e.to_string())?;
-    let path = http::uri::PathAndQuery::from_static(crate::proto::ENGINE_SERVICES[0].path);
+    let path = http::uri::PathAndQuery::from_static(kvbridge::proto::ENGINE_SERVICES[0].path);
     let req = SubscribeKvEventsRequest {
         start_sequence_number: 0,
         load_records_before_first_batch: true,

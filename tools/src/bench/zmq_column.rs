@@ -53,12 +53,7 @@ struct SubOut {
 }
 
 fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
@@ -90,7 +85,7 @@ fn subscriber(
         let mut last: Option<u64> = None;
         while !stop.load(Ordering::Relaxed) {
             let Ok(f) = s.recv_multipart(0) else { continue };
-            let now = crate::clock::unix_seconds();
+            let now = kvbridge::clock::unix_seconds();
             if f.len() != 3 || f[1].len() != 8 {
                 continue;
             }

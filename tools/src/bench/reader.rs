@@ -129,6 +129,7 @@ pub fn run_reader(
     let mut ring = hist.clone();
     let mut d = Delivery::default();
     let mut last: Option<u64> = None;
+    let mut payload = Vec::new();
     while start.elapsed() < run_for {
         let t = start.elapsed();
         let counting = t >= warmup && t < warmup + count_for;
@@ -141,12 +142,12 @@ pub fn run_reader(
             ReadOutcome::Record(v) => {
                 let seq = v.seq();
                 let ingest_ns = v.meta().ingest_ns;
-                // SAFETY: zero-copy read under the torn-read contract: `seq_and_ts` parses
-                // untrusted bytes defensively, and `is_intact` is checked before use below.
-                let head = wire::seq_and_ts(unsafe { v.payload() });
-                let now_ns = crate::clock::unix_nanos();
+                // A validated copy: `false` if the writer lapped this record meanwhile.
+                let intact = v.copy_to(&mut payload);
+                let head = wire::seq_and_ts(&payload);
+                let now_ns = kvbridge::clock::unix_nanos();
                 let now = now_ns as f64 / 1e9;
-                if !v.is_intact() {
+                if !intact {
                     continue;
                 }
                 if let Some(l) = last {

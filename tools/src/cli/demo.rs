@@ -14,14 +14,14 @@ use hdrhistogram::Histogram;
 use parking_lot::Mutex;
 use prost::Message;
 
-use super::CliError;
-use crate::config::{ByteSize, LogFormat, ServeArgs};
-use crate::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 use crate::sim::{encode_batch, EnginePublisher, Layout, Workload};
+use kvbridge::cli::CliError;
+use kvbridge::config::{ByteSize, LogFormat, ServeArgs};
+use kvbridge::proto::common::{KvEventBatch, SubscribeKvEventsRequest};
 
 /// `kvbridge demo` flags.
 #[derive(clap::Args, Debug)]
-pub(super) struct DemoArgs {
+pub struct DemoArgs {
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
     duration: Option<u64>,
@@ -70,7 +70,7 @@ impl Lane {
 }
 
 fn now_secs() -> f64 {
-    crate::clock::unix_seconds()
+    kvbridge::clock::unix_seconds()
 }
 
 pub(super) fn run(a: DemoArgs) -> Result<(), CliError> {
@@ -79,13 +79,13 @@ pub(super) fn run(a: DemoArgs) -> Result<(), CliError> {
             "--rate must be > 0 and --ranks between 1 and 16".into(),
         ));
     }
-    super::init_tracing(LogFormat::Text);
-    let rt = super::runtime()?;
+    kvbridge::cli::init_tracing(LogFormat::Text);
+    let rt = kvbridge::cli::runtime()?;
     rt.block_on(demo(a))
 }
 
 async fn demo(a: DemoArgs) -> Result<(), CliError> {
-    let mut signals = super::serve::StopSignals::install()?;
+    let mut signals = kvbridge::cli::StopSignals::install()?;
     let stop = Arc::new(AtomicBool::new(false));
     // Engines first: they bind, so their ports are known before the bridge connects.
     let ctx = zmq::Context::new();
@@ -96,7 +96,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     struct RemoveRing(std::path::PathBuf);
     impl Drop for RemoveRing {
         fn drop(&mut self) {
-            let _ = crate::snapshot::remove_ring(&self.0);
+            let _ = kvbridge::snapshot::remove_ring(&self.0);
         }
     }
     let _remove_ring = RemoveRing(shm.clone());
@@ -111,7 +111,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     args.ring.ring_size = Some(ByteSize::Bytes(64 << 20));
     args.ops.metrics = Some("127.0.0.1:0".into());
     let cfg = args.resolve().map_err(|e| CliError::Setup(e.to_string()))?;
-    let service = super::run_service(&cfg).await?;
+    let service = kvbridge::cli::run_service(&cfg).await?;
     let grpc = service.grpc_addr;
     // Sequence numbers on screen count from the ring's first record of this run (its base is a 16-digit
     // number, the Unix µs at which it was created).
@@ -287,7 +287,8 @@ fn spawn_engine(
 /// transient error and starts over (counted as a loss) after `DATA_LOSS` / `OUT_OF_RANGE`.
 async fn grpc_subscriber(lane: Arc<Lane>, url: String) {
     let Ok(mut c) =
-        crate::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(url).await
+        kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient::connect(url)
+            .await
     else {
         return;
     };
@@ -328,22 +329,21 @@ async fn grpc_subscriber(lane: Arc<Lane>, url: String) {
 fn spawn_shm_reader(
     lane: Arc<Lane>,
     stop: Arc<AtomicBool>,
-    hub: Arc<crate::ring::RingHub>,
+    hub: Arc<kvbridge::ring::RingHub>,
 ) -> std::thread::JoinHandle<()> {
     let mut reader = hub.reader();
     std::thread::spawn(move || {
         use kvbridge_shm::ReadOutcome;
         let _ = reader.seek(reader.newest() + 1);
+        let mut payload = Vec::new();
         // A ring that became unusable (truncated) must not be read any more.
         while !stop.load(Ordering::Relaxed) && hub.failure().is_none() {
             match reader.next_blocking(Duration::from_millis(100)) {
                 ReadOutcome::Record(v) => {
                     let ingest = v.meta().ingest_ns;
-                    // SAFETY: zero-copy read under the torn-read contract: prost parses
-                    // untrusted bytes defensively, and `is_intact` is checked after it.
-                    let ok = KvEventBatch::decode(unsafe { v.payload() }).is_ok() && v.is_intact();
+                    let ok = v.copy_to(&mut payload) && KvEventBatch::decode(&payload[..]).is_ok();
                     if ok {
-                        lane.record(crate::clock::unix_nanos().saturating_sub(ingest) / 1000);
+                        lane.record(kvbridge::clock::unix_nanos().saturating_sub(ingest) / 1000);
                     }
                 }
                 ReadOutcome::Lapped { .. } | ReadOutcome::Corrupt { .. } => {
@@ -356,7 +356,7 @@ fn spawn_shm_reader(
 }
 
 /// Engine messages dropped before decoding, over every rank.
-fn frames_dropped(metrics: &crate::metrics::Metrics, ranks: u32) -> u64 {
+fn frames_dropped(metrics: &kvbridge::metrics::Metrics, ranks: u32) -> u64 {
     (0..ranks)
         .map(|r| {
             ["frame_count", "seq_length", "topic", "empty_payload"]

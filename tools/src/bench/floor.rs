@@ -134,7 +134,7 @@ fn clocked(
 ) -> Result<(), String> {
     super::fine_timer_slack();
     let start = Instant::now();
-    let wall0 = crate::clock::unix_seconds();
+    let wall0 = kvbridge::clock::unix_seconds();
     let period_ns = 1e9 / rate.max(1) as f64;
     for i in 0u64.. {
         let offset = Duration::from_nanos((i as f64 * period_ns) as u64);
@@ -268,7 +268,7 @@ async fn receive(
             Ok(n) => n,
         };
         have += n;
-        let now = crate::clock::unix_seconds();
+        let now = kvbridge::clock::unix_seconds();
         let mut at = 0;
         while have - at >= bytes {
             let m = &buf[at..at + bytes];

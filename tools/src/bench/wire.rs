@@ -12,7 +12,7 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::Status;
 
 use super::Delivery;
-use crate::proto::common::SubscribeKvEventsRequest;
+use kvbridge::proto::common::SubscribeKvEventsRequest;
 
 /// Writes `ts` into an engine batch encoded as `[ts, events, …]` with a float64 `ts`.
 pub(super) fn patch_ts(batch: &mut [u8], ts: f64) {
@@ -101,7 +101,7 @@ pub(super) async fn subscriber(
         out.delivery.errors += 1;
         return out;
     }
-    let path = http::uri::PathAndQuery::from_static(crate::proto::ENGINE_SERVICES[0].path);
+    let path = http::uri::PathAndQuery::from_static(kvbridge::proto::ENGINE_SERVICES[0].path);
     // Start at the head: the bench measures live delivery, not a replay of the window.
     let req = SubscribeKvEventsRequest {
         start_sequence_number: 0,
@@ -122,7 +122,7 @@ pub(super) async fn subscriber(
         tokio::select! {
             m = stream.message() => match m {
                 Ok(Some(b)) => {
-                    let now = crate::clock::unix_seconds();
+                    let now = kvbridge::clock::unix_seconds();
                     let Some((seq, ts)) = seq_and_ts(&b) else { continue };
                     let counting = measuring.load(Ordering::Relaxed);
                     if let Some(l) = last {
@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn parses_the_head_of_a_batch() {
-        let b = crate::proto::common::KvEventBatch {
+        let b = kvbridge::proto::common::KvEventBatch {
             sequence_number: 300,
             timestamp: 1.5,
             ..Default::default()

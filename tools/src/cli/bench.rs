@@ -4,12 +4,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::CliError;
 use crate::bench::{self, BenchConfig, Mix, Publisher};
+use kvbridge::cli::CliError;
 
 /// `kvbridge bench` flags.
 #[derive(clap::Args, Debug)]
-pub(super) struct BenchArgs {
+pub struct BenchArgs {
     /// Engine batches per second (open loop, scheduled by the clock).
     #[arg(long, default_value_t = 1000)]
     rate: u64,
@@ -86,7 +86,7 @@ pub(super) struct BenchArgs {
 
 /// `kvbridge bench-nats-floor` (internal: the floor publisher process of `bench --nats-floor`).
 #[derive(clap::Args, Debug)]
-pub(super) struct BenchNatsFloorArgs {
+pub struct BenchNatsFloorArgs {
     #[arg(long)]
     nats: String,
     #[arg(long)]
@@ -102,7 +102,7 @@ pub(super) struct BenchNatsFloorArgs {
 }
 
 pub(super) fn run_nats_floor(a: BenchNatsFloorArgs) -> Result<(), CliError> {
-    let rt = super::runtime()?;
+    let rt = kvbridge::cli::runtime()?;
     let cfg = bench::nats::floor::FloorConfig {
         urls: a.nats.split(',').map(str::to_string).collect(),
         rate: a.rate.max(1),
@@ -120,7 +120,7 @@ pub(super) fn run_nats_floor(a: BenchNatsFloorArgs) -> Result<(), CliError> {
 
 /// `kvbridge bench-reader` (internal: one shared-memory reader process of the bench).
 #[derive(clap::Args, Debug)]
-pub(super) struct BenchReaderArgs {
+pub struct BenchReaderArgs {
     #[arg(long)]
     shm: PathBuf,
     #[arg(long = "run-ms")]
@@ -135,7 +135,7 @@ pub(super) struct BenchReaderArgs {
 
 /// `kvbridge bench-floor` (internal: the sender process of `bench --floor`).
 #[derive(clap::Args, Debug)]
-pub(super) struct BenchFloorArgs {
+pub struct BenchFloorArgs {
     #[arg(long)]
     connect: String,
     #[arg(long)]
@@ -189,7 +189,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     if a.rate == 0 || a.duration == 0 {
         return Err(CliError::Setup("--rate and --duration must be > 0".into()));
     }
-    let rt = super::runtime()?;
+    let rt = kvbridge::cli::runtime()?;
     let ctx = zmq::Context::new();
     let mut nats_metrics: Option<std::net::SocketAddr> = None;
     // (kvbridge's --publish-zmq endpoint, the bench engine's PUB) with --zmq-subscribers.
@@ -229,7 +229,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
                 std::env::temp_dir()
             };
             let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
-            let _ = crate::snapshot::remove_ring(&shm);
+            let _ = kvbridge::snapshot::remove_ring(&shm);
             let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
             let mut zmq_args: Vec<String> = Vec::new();
             if a.zmq_subscribers > 0 {
@@ -470,7 +470,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
 
 /// `kvbridge bench-checkpoints` flags.
 #[derive(clap::Args, Debug)]
-pub(super) struct BenchCheckpointsArgs {
+pub struct BenchCheckpointsArgs {
     /// Blocks held before the churn.
     #[arg(long, default_value_t = 1_000_000)]
     blocks: usize,

@@ -1,7 +1,7 @@
 //! What the bench measures of a process: CPU time and memory (from `/proc`, shared with the
-//! `process_*` metrics in [`crate::metrics::process`]) and system calls (`perf`).
+//! `process_*` metrics in [`kvbridge::metrics::process`]) and system calls (`perf`).
 
-pub use crate::metrics::process::{cpu_seconds, peak_rss_kib, status_kib};
+pub use kvbridge::metrics::process::{cpu_seconds, peak_rss_kib, status_kib};
 
 /// Counts a process's system calls (all its threads) over a window, with
 /// `perf stat -e raw_syscalls:sys_enter -p PID`: in-kernel counting, so unlike `strace` it barely
@@ -27,9 +27,11 @@ impl SyscallCounter {
 
     /// Stops counting and returns the number of system calls seen.
     pub fn finish(self) -> Result<u64, String> {
-        // SAFETY: kill(2) on our own child's pid (perf prints its counts on SIGINT); at worst the
-        // child already exited and the call fails.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        // perf prints its counts on SIGINT; at worst the child already exited and the call fails.
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_child(&self.child),
+            rustix::process::Signal::INT,
+        );
         let out = self
             .child
             .wait_with_output()
