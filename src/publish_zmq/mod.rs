@@ -183,7 +183,7 @@ impl ZmqMetrics {
             ),
             replay_requests: counter(
                 "zmq_replay_requests_total",
-                "Replay requests by outcome: window (start..newest from the ring), state (snapshot or clear, then the ring), future (end marker only), incomplete (peer gone or ring lapped mid-replay), malformed and busy (dropped unanswered)",
+                "Replay requests by outcome: window (start..newest from the ring), state (snapshot or clear, then the ring), future (end marker only), incomplete (peer gone or ring lapped mid-replay), stalled (the peer read nothing for 10 s), malformed and busy (dropped unanswered)",
                 &["rank", "outcome"],
             ),
             snapshot_replays: counter(
@@ -261,6 +261,9 @@ impl ZmqPublisher {
         metrics: &Metrics,
     ) -> Result<ZmqPublisher, PublishZmqError> {
         let ctx = zmq::Context::new();
+        // Replies go out on an I/O thread of their own: a replay streaming a whole block table
+        // does not queue in front of the live PUB's messages.
+        let replay_ctx = zmq::Context::new();
         let zm = ZmqMetrics::new(metrics);
         let topic = cfg
             .topic
@@ -279,7 +282,7 @@ impl ZmqPublisher {
             let router = match &cfg.replay {
                 Some(e) => {
                     let (s, at) = bind(
-                        &ctx,
+                        &replay_ctx,
                         zmq::ROUTER,
                         "--publish-zmq-replay",
                         &e.for_rank(r.rank),
