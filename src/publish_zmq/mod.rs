@@ -226,11 +226,14 @@ pub struct ZmqPublisher {
 /// How long a publisher thread sleeps on the ring's futex before it looks at its stop flag.
 const WAIT: Duration = Duration::from_millis(200);
 
+/// Creates a socket, applies `setup` and binds it. Options must be set before `bind`: libzmq
+/// gives the connections a listener accepts the options the socket had when it was bound.
 fn bind(
     ctx: &zmq::Context,
     kind: zmq::SocketType,
     flag: &'static str,
     endpoint: &str,
+    setup: impl FnOnce(&zmq::Socket) -> zmq::Result<()>,
 ) -> Result<(zmq::Socket, String), PublishZmqError> {
     let err = |e: zmq::Error| PublishZmqError {
         flag,
@@ -243,6 +246,7 @@ fn bind(
         // The engines' own default (docs/engine-wire.md §1).
         s.set_sndhwm(100_000).map_err(err)?;
     }
+    setup(&s).map_err(err)?;
     s.bind(endpoint).map_err(err)?;
     let bound = s
         .get_last_endpoint()
@@ -278,6 +282,7 @@ impl ZmqPublisher {
                 zmq::PUB,
                 "--publish-zmq",
                 &cfg.publish.for_rank(r.rank),
+                |_| Ok(()),
             )?;
             let router = match &cfg.replay {
                 Some(e) => {
@@ -286,12 +291,8 @@ impl ZmqPublisher {
                         zmq::ROUTER,
                         "--publish-zmq-replay",
                         &e.for_rank(r.rank),
+                        |s| replay::configure(s, r.hub.as_ref()),
                     )?;
-                    replay::configure(&s, r.hub.as_ref()).map_err(|e| PublishZmqError {
-                        flag: "--publish-zmq-replay",
-                        endpoint: at.clone(),
-                        why: e.to_string(),
-                    })?;
                     Some((s, at))
                 }
                 None => None,

@@ -53,7 +53,8 @@ const STALL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Socket options of a replay ROUTER: mandatory routing (a full peer pipe is `EAGAIN`, not a
 /// silent drop, so the replay waits for it), a small message limit, and a send high-water mark
-/// of [`REPLY_BYTES_IN_FLIGHT`] over the ring's largest record.
+/// of [`REPLY_BYTES_IN_FLIGHT`] over the ring's largest record. Set before the socket is bound
+/// (the connections it accepts take the options it had then).
 pub(super) fn configure(s: &zmq::Socket, hub: &RingHub) -> zmq::Result<()> {
     s.set_router_mandatory(true)?;
     s.set_maxmsgsize(MAX_REQUEST_BYTES)?;
