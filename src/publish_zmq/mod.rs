@@ -183,7 +183,7 @@ impl ZmqMetrics {
             ),
             replay_requests: counter(
                 "zmq_replay_requests_total",
-                "Replay requests by outcome: window (start..newest from the ring), state (snapshot or clear, then the ring), future (end marker only), incomplete (peer gone or ring lapped mid-replay), malformed and busy (dropped unanswered)",
+                "Replay requests by outcome: window (start..newest from the ring), state (snapshot or clear, then the ring), future (end marker only), incomplete (peer gone or ring lapped mid-replay), stalled (the peer read nothing for 10 s), malformed and busy (dropped unanswered)",
                 &["rank", "outcome"],
             ),
             snapshot_replays: counter(
@@ -226,11 +226,14 @@ pub struct ZmqPublisher {
 /// How long a publisher thread sleeps on the ring's futex before it looks at its stop flag.
 const WAIT: Duration = Duration::from_millis(200);
 
+/// Creates a socket, applies `setup` and binds it. Options must be set before `bind`: libzmq
+/// gives the connections a listener accepts the options the socket had when it was bound.
 fn bind(
     ctx: &zmq::Context,
     kind: zmq::SocketType,
     flag: &'static str,
     endpoint: &str,
+    setup: impl FnOnce(&zmq::Socket) -> zmq::Result<()>,
 ) -> Result<(zmq::Socket, String), PublishZmqError> {
     let err = |e: zmq::Error| PublishZmqError {
         flag,
@@ -243,6 +246,7 @@ fn bind(
         // The engines' own default (docs/engine-wire.md §1).
         s.set_sndhwm(100_000).map_err(err)?;
     }
+    setup(&s).map_err(err)?;
     s.bind(endpoint).map_err(err)?;
     let bound = s
         .get_last_endpoint()
@@ -261,6 +265,9 @@ impl ZmqPublisher {
         metrics: &Metrics,
     ) -> Result<ZmqPublisher, PublishZmqError> {
         let ctx = zmq::Context::new();
+        // Replies go out on an I/O thread of their own: a replay streaming a whole block table
+        // does not queue in front of the live PUB's messages.
+        let replay_ctx = zmq::Context::new();
         let zm = ZmqMetrics::new(metrics);
         let topic = cfg
             .topic
@@ -275,20 +282,17 @@ impl ZmqPublisher {
                 zmq::PUB,
                 "--publish-zmq",
                 &cfg.publish.for_rank(r.rank),
+                |_| Ok(()),
             )?;
             let router = match &cfg.replay {
                 Some(e) => {
                     let (s, at) = bind(
-                        &ctx,
+                        &replay_ctx,
                         zmq::ROUTER,
                         "--publish-zmq-replay",
                         &e.for_rank(r.rank),
+                        |s| replay::configure(s, r.hub.as_ref()),
                     )?;
-                    replay::configure(&s, r.hub.as_ref()).map_err(|e| PublishZmqError {
-                        flag: "--publish-zmq-replay",
-                        endpoint: at.clone(),
-                        why: e.to_string(),
-                    })?;
                     Some((s, at))
                 }
                 None => None,

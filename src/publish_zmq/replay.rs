@@ -1,6 +1,6 @@
 //! One rank's replay ROUTER: the vLLM protocol (docs/engine-wire.md §7), served from the ring
-//! and the snapshot table on a thread of its own, so that neither ingest nor the live PUB ever
-//! waits for a replay.
+//! and the snapshot table on a thread of its own, with a ZMQ I/O thread of its own,
+//! so that neither ingest nor the live PUB ever waits for a replay.
 //!
 //! A request is `[identity, "", start_seq (8 bytes BE)]`; every reply is
 //! `[identity, "", topic, seq, payload]`, and the last one the end marker `[identity, "", "",
@@ -20,7 +20,8 @@
 //! not read has at most [`REPLY_BYTES_IN_FLIGHT`] queued (plus the one message its replay holds
 //! back), and the ROUTER refuses (disconnects) peers that send messages larger than a request.
 //! A replay whose peer went away, or whose tail the ring overwrote meanwhile, ends without an end
-//! marker (counted `incomplete`): the consumer asks again.
+//! marker (counted `incomplete`): the consumer asks again. So does one whose peer read nothing
+//! for [`STALL`] (counted `stalled`), so that consumers that never read cannot hold every slot.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,10 +47,14 @@ const BURST: usize = 256;
 const MAX_REQUEST_BYTES: i64 = 64;
 /// The end marker's seq.
 const END_SEQ: u64 = u64::MAX;
+/// How long a replay may find its peer's pipe full before it is given up (`stalled`): a
+/// consumer that never reads would otherwise hold a replay slot, and a snapshot, for good.
+const STALL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Socket options of a replay ROUTER: mandatory routing (a full peer pipe is `EAGAIN`, not a
 /// silent drop, so the replay waits for it), a small message limit, and a send high-water mark
-/// of [`REPLY_BYTES_IN_FLIGHT`] over the ring's largest record.
+/// of [`REPLY_BYTES_IN_FLIGHT`] over the ring's largest record. Set before the socket is bound
+/// (the connections it accepts take the options it had then).
 pub(super) fn configure(s: &zmq::Socket, hub: &RingHub) -> zmq::Result<()> {
     s.set_router_mandatory(true)?;
     s.set_maxmsgsize(MAX_REQUEST_BYTES)?;
@@ -77,6 +82,8 @@ struct Replay {
     reader: RingReader,
     /// A message the peer's pipe did not take yet.
     held: Option<(u64, Vec<u8>)>,
+    /// Since when the peer's pipe has been full (no message taken).
+    full_since: Option<std::time::Instant>,
     /// An `AllBlocksCleared` to send first (no table), numbered so.
     clear_first: Option<u64>,
     outcome: &'static str,
@@ -161,6 +168,18 @@ impl Server {
                         blocked = false;
                         i += 1;
                     }
+                    Step::Blocked
+                        if self.active[i]
+                            .full_since
+                            .is_some_and(|t| t.elapsed() > STALL) =>
+                    {
+                        tracing::debug!(
+                            rank = self.rank,
+                            "ZMQ replay given up: the peer read nothing for 10 s"
+                        );
+                        self.count("stalled");
+                        self.active.swap_remove(i);
+                    }
                     Step::Blocked => i += 1,
                     Step::Done => {
                         self.active.swap_remove(i);
@@ -227,6 +246,7 @@ impl Server {
                 end: newest,
                 reader: self.hub.reader(),
                 held: None,
+                full_since: None,
                 clear_first: None,
                 outcome: "window",
             };
@@ -370,10 +390,13 @@ impl Server {
                         .replay_bytes
                         .with_label_values(&[&self.label])
                         .inc_by(payload.len() as u64);
+                    self.active[i].full_since = None;
                     self.advance(i);
                 }
                 Err(zmq::Error::EAGAIN) => {
-                    self.active[i].held = Some((seq, payload));
+                    let r = &mut self.active[i];
+                    r.held = Some((seq, payload));
+                    r.full_since.get_or_insert_with(std::time::Instant::now);
                     return Step::Blocked;
                 }
                 Err(e) => {

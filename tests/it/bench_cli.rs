@@ -156,3 +156,55 @@ fn bench_zmq_column_reports_the_bridge_and_its_floor() {
         assert!(c["latency"]["p99_us"].as_f64().unwrap() > 0.0, "{col}: {c}");
     }
 }
+
+/// `--zmq-alternate 1`: two windows, the first with no ZMQ subscriber and the second with 2, each
+/// with the gRPC column; a bad K is one line and exit 2.
+#[test]
+fn bench_zmq_alternate_measures_grpc_without_and_with_zmq_subscribers() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(["bench", "--rate", "200", "--duration", "1", "--warmup", "1"])
+        .args(["--subscribers", "1", "--shm-readers", "0"])
+        .args(["--ring-size", "8MiB", "--zmq-subscribers", "2"])
+        .args(["--zmq-alternate", "1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("grpc with / without ZMQ subscribers"),
+        "{text}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ws = r["zmq_alternation"].as_array().expect("the windows");
+    assert_eq!(ws.len(), 2, "{r}");
+    for (w, subs) in ws.iter().zip([0, 2]) {
+        assert_eq!(w["zmq_subscribers"], subs, "{w}");
+        assert!(w["grpc"]["delivered"].as_u64().unwrap() > 100, "{w}");
+        assert_eq!(w["grpc"]["lost"], 0, "{w}");
+    }
+    assert_eq!(
+        ws[0]["zmq"]["delivered"], 0,
+        "no ZMQ SUB in the first window"
+    );
+    assert!(
+        ws[1]["zmq"]["delivered"].as_u64().unwrap() > 200,
+        "{}",
+        ws[1]
+    );
+
+    let bad = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(["bench", "--zmq-alternate", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+}

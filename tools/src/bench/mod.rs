@@ -169,6 +169,9 @@ pub struct BenchResult {
     /// `--zmq-subscribers`: the `--publish-zmq` column and its bare-relay floor.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq: Option<zmq_column::ZmqResult>,
+    /// `--zmq-alternate`: the gRPC column per window, without and with ZMQ subscribers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub zmq_alternation: Vec<zmq_column::AltWindow>,
 }
 
 /// The publisher thread: open loop, stamps each batch with its scheduled send time.

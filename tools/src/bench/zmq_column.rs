@@ -57,12 +57,60 @@ fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
+/// The floor's relay: a SUB on `engine_pub` re-sending every message unchanged on a PUB of its
+/// own (returned: its thread, counting what it relayed and its CPU while `measuring`, and the
+/// PUB's endpoint).
+fn start_relay(
+    ctx: &zmq::Context,
+    engine_pub: &str,
+    stop: Arc<AtomicBool>,
+    measuring: Arc<AtomicBool>,
+) -> Result<(std::thread::JoinHandle<(u64, f64)>, String), String> {
+    let e = |e: zmq::Error| e.to_string();
+    let rsub = ctx.socket(zmq::SUB).map_err(e)?;
+    rsub.set_subscribe(b"").map_err(e)?;
+    rsub.set_rcvhwm(100_000).map_err(e)?;
+    rsub.set_rcvtimeo(100).map_err(e)?;
+    rsub.connect(engine_pub).map_err(e)?;
+    let rpub = ctx.socket(zmq::PUB).map_err(e)?;
+    rpub.set_sndhwm(100_000).map_err(e)?;
+    rpub.bind("tcp://127.0.0.1:*").map_err(e)?;
+    let floor_ep = rpub
+        .get_last_endpoint()
+        .map_err(e)?
+        .map_err(|_| "relay endpoint".to_string())?;
+    let (st, m) = (stop, measuring);
+    let relay = std::thread::spawn(move || {
+        let (mut relayed, mut cpu, mut cpu0) = (0u64, 0.0, None);
+        while !st.load(Ordering::Relaxed) {
+            let measuring = m.load(Ordering::Relaxed);
+            match (measuring, cpu0) {
+                (true, None) => cpu0 = Some(thread_cpu_seconds()),
+                (false, Some(c)) => {
+                    cpu = thread_cpu_seconds() - c;
+                    cpu0 = None;
+                }
+                _ => {}
+            }
+            let Ok(f) = rsub.recv_multipart(0) else {
+                continue;
+            };
+            let _ = rpub.send_multipart(f, 0);
+            if measuring {
+                relayed += 1;
+            }
+        }
+        (relayed, cpu)
+    });
+    Ok((relay, floor_ep))
+}
+
 /// The running subscribers and relay.
 pub struct ZmqReaders {
     stop: Arc<AtomicBool>,
     bridge: Vec<std::thread::JoinHandle<SubOut>>,
     floor: Vec<std::thread::JoinHandle<SubOut>>,
-    relay: std::thread::JoinHandle<(u64, f64)>,
+    relay: Option<std::thread::JoinHandle<(u64, f64)>>,
 }
 
 fn subscriber(
@@ -112,51 +160,23 @@ fn subscriber(
 }
 
 impl ZmqReaders {
-    /// Starts `n` SUBs on `bridge_pub`, the relay on `engine_pub` and `n` SUBs on the relay.
+    /// Starts `n` SUBs on `bridge_pub` and, with `engine_pub`, the relay on it and `n` SUBs on
+    /// the relay (the floor).
     pub fn start(
         ctx: &zmq::Context,
         n: usize,
         bridge_pub: &str,
-        engine_pub: &str,
+        engine_pub: Option<&str>,
         measuring: Arc<AtomicBool>,
     ) -> Result<ZmqReaders, String> {
         let stop = Arc::new(AtomicBool::new(false));
-        let e = |e: zmq::Error| e.to_string();
-        let rsub = ctx.socket(zmq::SUB).map_err(e)?;
-        rsub.set_subscribe(b"").map_err(e)?;
-        rsub.set_rcvhwm(100_000).map_err(e)?;
-        rsub.set_rcvtimeo(100).map_err(e)?;
-        rsub.connect(engine_pub).map_err(e)?;
-        let rpub = ctx.socket(zmq::PUB).map_err(e)?;
-        rpub.set_sndhwm(100_000).map_err(e)?;
-        rpub.bind("tcp://127.0.0.1:*").map_err(e)?;
-        let floor_ep = rpub
-            .get_last_endpoint()
-            .map_err(e)?
-            .map_err(|_| "relay endpoint".to_string())?;
-        let (st, m) = (stop.clone(), measuring.clone());
-        let relay = std::thread::spawn(move || {
-            let (mut relayed, mut cpu, mut cpu0) = (0u64, 0.0, None);
-            while !st.load(Ordering::Relaxed) {
-                let measuring = m.load(Ordering::Relaxed);
-                match (measuring, cpu0) {
-                    (true, None) => cpu0 = Some(thread_cpu_seconds()),
-                    (false, Some(c)) => {
-                        cpu = thread_cpu_seconds() - c;
-                        cpu0 = None;
-                    }
-                    _ => {}
-                }
-                let Ok(f) = rsub.recv_multipart(0) else {
-                    continue;
-                };
-                let _ = rpub.send_multipart(f, 0);
-                if measuring {
-                    relayed += 1;
-                }
+        let (relay, floor_ep) = match engine_pub {
+            Some(engine_pub) => {
+                let (t, ep) = start_relay(ctx, engine_pub, stop.clone(), measuring.clone())?;
+                (Some(t), Some(ep))
             }
-            (relayed, cpu)
-        });
+            None => (None, None),
+        };
         let mut bridge = Vec::new();
         let mut floor = Vec::new();
         for _ in 0..n {
@@ -166,7 +186,9 @@ impl ZmqReaders {
                 measuring.clone(),
                 stop.clone(),
             )?);
-            floor.push(subscriber(ctx, &floor_ep, measuring.clone(), stop.clone())?);
+            if let Some(floor_ep) = &floor_ep {
+                floor.push(subscriber(ctx, floor_ep, measuring.clone(), stop.clone())?);
+            }
         }
         Ok(ZmqReaders {
             stop,
@@ -199,7 +221,7 @@ impl ZmqReaders {
         let subscribers = self.bridge.len();
         let bridge = merge(self.bridge);
         let floor = merge(self.floor);
-        let (relayed, cpu) = self.relay.join().unwrap_or((0, 0.0));
+        let (relayed, cpu) = self.relay.and_then(|r| r.join().ok()).unwrap_or((0, 0.0));
         ZmqResult {
             subscribers,
             bridge,
@@ -242,6 +264,81 @@ pub fn table(r: &ZmqResult, bridge_cpu_us_per_record: Option<f64>) -> String {
         bridge_cpu_us_per_record.map_or("-".into(), |v| format!("{v:.2}")),
         r.floor_cpu_us_per_record
             .map_or("-".into(), |v| format!("{v:.2}")),
+    );
+    s
+}
+
+/// One window of `kvbridge bench --zmq-subscribers N --zmq-alternate K`: the gRPC column with
+/// `zmq_subscribers` SUBs reading `--publish-zmq` meanwhile (0 or N).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AltWindow {
+    /// ZMQ SUBs reading in this window.
+    pub zmq_subscribers: usize,
+    /// gRPC subscribers' latency in this window.
+    pub grpc_latency: Latency,
+    /// gRPC subscribers' totals in this window.
+    pub grpc: Delivery,
+    /// The ZMQ SUBs' totals (while they read: the window and its warm-up).
+    pub zmq: Delivery,
+    /// Bridge CPU as % of one core in this window.
+    pub bridge_cpu_percent: Option<f64>,
+}
+
+/// The alternation's summary: the median over the windows with and without ZMQ subscribers of
+/// the gRPC p50 and p99 (µs), `(without, with)`.
+pub fn alternation_medians(ws: &[AltWindow]) -> ((f64, f64), (f64, f64)) {
+    let median = |with: bool, f: fn(&Latency) -> f64| {
+        let mut v: Vec<f64> = ws
+            .iter()
+            .filter(|w| (w.zmq_subscribers > 0) == with)
+            .map(|w| f(&w.grpc_latency))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    };
+    (
+        (median(false, |l| l.p50_us), median(false, |l| l.p99_us)),
+        (median(true, |l| l.p50_us), median(true, |l| l.p99_us)),
+    )
+}
+
+/// The alternation as table rows and its summary line.
+pub fn alternation_table(ws: &[AltWindow]) -> String {
+    let mut s = String::from(
+        "window  zmq SUBs  grpc delivered  lost     p50 µs     p99 µs   p99.9 µs  zmq delivered  lost  bridge CPU %\n",
+    );
+    for (i, w) in ws.iter().enumerate() {
+        s += &format!(
+            "{:<7} {:>9} {:>15} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>14} {:>5} {:>13}\n",
+            i + 1,
+            w.zmq_subscribers,
+            w.grpc.delivered,
+            w.grpc.lost,
+            w.grpc_latency.p50_us,
+            w.grpc_latency.p99_us,
+            w.grpc_latency.p999_us,
+            w.zmq.delivered,
+            w.zmq.lost,
+            w.bridge_cpu_percent
+                .map_or("-".into(), |v| format!("{v:.1}")),
+        );
+    }
+    let ((a50, a99), (b50, b99)) = alternation_medians(ws);
+    let ratio = |b: f64, a: f64| {
+        if a > 0.0 {
+            format!("{:.2}×", b / a)
+        } else {
+            "-".into()
+        }
+    };
+    s += &format!(
+        "grpc with / without ZMQ subscribers (medians of the windows): p50 {b50:.1} / {a50:.1} µs = {}, p99 {b99:.1} / {a99:.1} µs = {}\n",
+        ratio(b50, a50),
+        ratio(b99, a99)
     );
     s
 }

@@ -82,6 +82,12 @@ pub struct BenchArgs {
     /// floor), in the same run.
     #[arg(long = "zmq-subscribers", default_value_t = 0, conflicts_with = "grpc")]
     zmq_subscribers: usize,
+    /// With --zmq-subscribers N: instead of the ZMQ column, measure the gRPC column in 2 × K
+    /// windows of --duration (each after its own --warmup), alternately with no ZMQ subscriber
+    /// and with N SUBs reading --publish-zmq (no floor), so that the machine's noise falls on
+    /// both; prints each window and the medians' ratio.
+    #[arg(long = "zmq-alternate", value_name = "K")]
+    zmq_alternate: Option<usize>,
 }
 
 /// `kvbridge bench-nats-floor` (internal: the floor publisher process of `bench --nats-floor`).
@@ -188,6 +194,13 @@ impl Drop for OwnBridge {
 pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     if a.rate == 0 || a.duration == 0 {
         return Err(CliError::Setup("--rate and --duration must be > 0".into()));
+    }
+    if a.zmq_alternate
+        .is_some_and(|k| k == 0 || a.zmq_subscribers == 0)
+    {
+        return Err(CliError::Setup(
+            "--zmq-alternate K needs K > 0 and --zmq-subscribers N > 0".into(),
+        ));
     }
     let rt = kvbridge::cli::runtime()?;
     let ctx = zmq::Context::new();
@@ -350,14 +363,14 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
         serve_pid: pid,
     };
     let measure_from = Instant::now() + cfg.warmup;
-    let zmq_readers = match &zmq_pub {
+    let zmq_readers = match zmq_pub.as_ref().filter(|_| a.zmq_alternate.is_none()) {
         Some((bridge_pub, engine_pub)) => {
             let measuring = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let r = bench::zmq_column::ZmqReaders::start(
                 &ctx,
                 a.zmq_subscribers,
                 bridge_pub,
-                engine_pub,
+                Some(engine_pub),
                 measuring.clone(),
             )
             .map_err(CliError::Setup)?;
@@ -373,6 +386,29 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
         None => None,
     };
     let publisher = Publisher::start(engine, cfg.rate, cfg.mix, measure_from);
+    if let (Some(k), Some((bridge_pub, _))) = (a.zmq_alternate, &zmq_pub) {
+        let result = alternate(
+            &rt,
+            &ctx,
+            &cfg,
+            &publisher,
+            a.zmq_subscribers,
+            bridge_pub,
+            k,
+        );
+        publisher.stop();
+        let result = result?;
+        print!(
+            "{}",
+            bench::zmq_column::alternation_table(&result.zmq_alternation)
+        );
+        if let Some(path) = &a.json {
+            let text = serde_json::to_string_pretty(&result).expect("serializable");
+            std::fs::write(path, text)
+                .map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
+        }
+        return Ok(());
+    }
     let progress = a.duration > 3 && std::io::IsTerminal::is_terminal(&std::io::stderr());
     // The sink's counters at the start of the measured window, read beside the run.
     let sink_before = nats_metrics.map(|m| {
@@ -466,6 +502,58 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             .map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
     }
     Ok(())
+}
+
+/// `--zmq-alternate K`: 2 × K measured windows, the first and every other one with no ZMQ
+/// subscriber, the others with `n` SUBs on `bridge_pub`; the result is the first window's with
+/// every window in `zmq_alternation`.
+fn alternate(
+    rt: &tokio::runtime::Runtime,
+    ctx: &zmq::Context,
+    cfg: &BenchConfig,
+    publisher: &Publisher,
+    n: usize,
+    bridge_pub: &str,
+    k: usize,
+) -> Result<bench::BenchResult, CliError> {
+    let mut windows = Vec::new();
+    let mut first = None;
+    for i in 0..2 * k {
+        let with = i % 2 == 1;
+        let readers = if with {
+            let counting = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+            Some(
+                bench::zmq_column::ZmqReaders::start(ctx, n, bridge_pub, None, counting)
+                    .map_err(CliError::Setup)?,
+            )
+        } else {
+            None
+        };
+        let r = rt
+            .block_on(bench::measure(cfg, publisher, false))
+            .map_err(CliError::Failed)?;
+        let zmq = readers.map(|z| z.finish().bridge.delivery);
+        let w = bench::zmq_column::AltWindow {
+            zmq_subscribers: if with { n } else { 0 },
+            grpc_latency: r.grpc_latency.clone(),
+            grpc: r.grpc.clone(),
+            zmq: zmq.unwrap_or_default(),
+            bridge_cpu_percent: r.bridge_cpu_percent,
+        };
+        eprintln!(
+            "bench: window {}/{}: {} ZMQ SUBs, gRPC p50 {:.1} µs p99 {:.1} µs",
+            i + 1,
+            2 * k,
+            w.zmq_subscribers,
+            w.grpc_latency.p50_us,
+            w.grpc_latency.p99_us
+        );
+        windows.push(w);
+        first.get_or_insert(r);
+    }
+    let mut result = first.expect("K > 0 windows");
+    result.zmq_alternation = windows;
+    Ok(result)
 }
 
 /// `kvbridge bench-checkpoints` flags.
