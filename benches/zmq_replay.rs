@@ -166,6 +166,7 @@ fn main() {
         replay: Some(any),
         topic: None,
         layout: WireLayout::Map,
+        hwm: kvbridge::publish_zmq::DEFAULT_PUB_HWM,
     };
     let edge = ZmqPublisher::start(
         &cfg,

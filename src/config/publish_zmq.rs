@@ -22,6 +22,11 @@ concern! {
         /// Event encoding: tagged maps (vLLM >= 0.24) or tagged arrays (older consumers).
         #[arg(long, value_enum)]
         pub publish_zmq_layout: Option<crate::publish_zmq::WireLayout>,
+        /// Messages queued for one subscriber connection before the PUB drops that subscriber's
+        /// messages (it sees a seq gap and replays); bounds what a subscriber that never reads
+        /// makes kvbridge hold.
+        #[arg(long, value_name = "N")]
+        pub publish_zmq_hwm: Option<u32>,
     }
 }
 
@@ -29,12 +34,13 @@ impl PublishZmqArgs {
     pub(super) fn validate(
         self,
     ) -> Result<Option<crate::publish_zmq::PublishZmqConfig>, ConfigError> {
-        use crate::publish_zmq::{PublishZmqConfig, TcpEndpoint};
+        use crate::publish_zmq::{PublishZmqConfig, TcpEndpoint, DEFAULT_PUB_HWM, MAX_PUB_HWM};
         let Some(publish) = self.publish_zmq else {
             for (name, given) in [
                 ("publish-zmq-replay", self.publish_zmq_replay.is_some()),
                 ("publish-zmq-topic", self.publish_zmq_topic.is_some()),
                 ("publish-zmq-layout", self.publish_zmq_layout.is_some()),
+                ("publish-zmq-hwm", self.publish_zmq_hwm.is_some()),
             ] {
                 if given {
                     return Err(invalid(format!("--{name} needs --publish-zmq")));
@@ -47,11 +53,18 @@ impl PublishZmqArgs {
             Some(r) => Some(TcpEndpoint::parse("publish-zmq-replay", r).map_err(invalid)?),
             None => None,
         };
+        let hwm = self.publish_zmq_hwm.unwrap_or(DEFAULT_PUB_HWM);
+        if !(1..=MAX_PUB_HWM).contains(&hwm) {
+            return Err(invalid(format!(
+                "--publish-zmq-hwm {hwm}: must be between 1 and {MAX_PUB_HWM}"
+            )));
+        }
         Ok(Some(PublishZmqConfig {
             publish,
             replay,
             topic: self.publish_zmq_topic,
             layout: self.publish_zmq_layout.unwrap_or_default(),
+            hwm,
         }))
     }
 }
@@ -70,6 +83,14 @@ mod tests {
         assert_eq!(
             err(&["--publish-zmq-topic", "kv"]),
             "--publish-zmq-topic needs --publish-zmq"
+        );
+        assert_eq!(
+            err(&["--publish-zmq-hwm", "5"]),
+            "--publish-zmq-hwm needs --publish-zmq"
+        );
+        assert!(
+            err(&["--publish-zmq", "tcp://*:6000", "--publish-zmq-hwm", "0"])
+                .contains("between 1 and")
         );
         assert!(err(&["--publish-zmq", "ipc:///x"]).contains("must be tcp://HOST:PORT"));
         assert!(err(&["--publish-zmq", "tcp://*:70000"]).contains("0 to 65535"));

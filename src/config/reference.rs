@@ -125,6 +125,10 @@ pub fn serve_defaults() -> Vec<(&'static str, String)> {
             "publish_zmq_layout",
             enum_text::<crate::publish_zmq::WireLayout>(),
         ),
+        (
+            "publish_zmq_hwm",
+            crate::publish_zmq::DEFAULT_PUB_HWM.to_string(),
+        ),
         // Sidecar.
         ("load_interval_ms", DEFAULT_LOAD_INTERVAL_MS.to_string()),
         (

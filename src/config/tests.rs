@@ -393,6 +393,11 @@ fn rows(dir: &Path) -> Vec<Row> {
             "publish-zmq = \"tcp://*:6557\"\npublish-zmq-layout = \"map\"",
         ),
         row(
+            "--publish-zmq tcp://*:6557 --publish-zmq-hwm 500",
+            "publish-zmq = \"tcp://*:6557\"\npublish-zmq-hwm = 500",
+            "publish-zmq = \"tcp://*:6557\"\npublish-zmq-hwm = 900",
+        ),
+        row(
             "--max-subscribers 7",
             "max-subscribers = 7",
             "max-subscribers = 8",

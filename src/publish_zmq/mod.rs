@@ -52,7 +52,18 @@ pub struct PublishZmqConfig {
     pub topic: Option<String>,
     /// Event encoding.
     pub layout: WireLayout,
+    /// Send high-water mark of each PUB connection, in messages (`--publish-zmq-hwm`).
+    pub hwm: u32,
 }
+
+/// Default `--publish-zmq-hwm`: messages queued per subscriber connection before the PUB drops
+/// that subscriber's messages. The engines queue 100,000; kvbridge queues as many as the engines
+/// keep for replay (their `buffer_steps`, 10,000), because a subscriber further behind than that
+/// recovers by seq gap and replay from kvbridge's ring, and a subscriber that never reads then
+/// makes kvbridge hold a tenth of what it would at the engine's mark.
+pub const DEFAULT_PUB_HWM: u32 = 10_000;
+/// Largest `--publish-zmq-hwm` (libzmq takes an `int`; the engines' own mark is 100,000).
+pub const MAX_PUB_HWM: u32 = 10_000_000;
 
 /// A `tcp://HOST:PORT` endpoint to bind (HOST may be `*`, an address or `[v6]`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -242,10 +253,6 @@ fn bind(
     };
     let s = ctx.socket(kind).map_err(err)?;
     s.set_linger(0).map_err(err)?;
-    if kind == zmq::PUB {
-        // The engines' own default (docs/engine-wire.md §1).
-        s.set_sndhwm(100_000).map_err(err)?;
-    }
     setup(&s).map_err(err)?;
     s.bind(endpoint).map_err(err)?;
     let bound = s
@@ -282,7 +289,7 @@ impl ZmqPublisher {
                 zmq::PUB,
                 "--publish-zmq",
                 &cfg.publish.for_rank(r.rank),
-                |_| Ok(()),
+                |s| s.set_sndhwm(cfg.hwm as i32),
             )?;
             let router = match &cfg.replay {
                 Some(e) => {
