@@ -370,6 +370,7 @@ impl ServeArgs {
             metrics: ops.metrics,
             log_format: ops.log_format,
             health_grace: ops.health_grace,
+            ready_file: ops.ready_file,
             tls: security.tls,
             auth_token: security.auth_token,
             secret_files: security.files,
@@ -874,6 +875,12 @@ concern! {
         /// in ms.
         #[arg(long, value_name = "MS")]
         pub health_grace_ms: Option<u64>,
+        /// Once every listener is bound and start-up is done, write this JSON file (atomically:
+        /// a temporary file renamed): `pid`, `grpc` and `metrics` (null when off) as bound, and
+        /// `publish_zmq`, each rank's bound PUB and replay endpoints. Removed on exit; a
+        /// supervisor or test waits for it instead of reading logs or probing ports.
+        #[arg(long, value_name = "FILE")]
+        pub ready_file: Option<PathBuf>,
     }
 }
 
@@ -881,6 +888,7 @@ struct OpsConfig {
     metrics: Option<SocketAddr>,
     log_format: LogFormat,
     health_grace: Duration,
+    ready_file: Option<PathBuf>,
 }
 
 impl OpsArgs {
@@ -903,6 +911,7 @@ impl OpsArgs {
             metrics,
             log_format: self.log_format.unwrap_or_default(),
             health_grace: Duration::from_millis(health_grace_ms),
+            ready_file: self.ready_file,
         })
     }
 }
@@ -1326,6 +1335,8 @@ pub struct ServeConfig {
     pub log_format: LogFormat,
     /// Health grace period after start-up and after the last upstream disconnect.
     pub health_grace: Duration,
+    /// `--ready-file`: written once start-up is done, removed on exit.
+    pub ready_file: Option<PathBuf>,
     /// TLS certificate chain and key (PEM), read at validation time.
     pub tls: Option<TlsFiles>,
     /// Bearer token every `SubscribeKvEvents` call must carry, if set.
@@ -2201,6 +2212,11 @@ mod tests {
                 "--health-grace-ms 250",
                 "health-grace-ms = 250",
                 "health-grace-ms = 300",
+            ),
+            row(
+                "--ready-file /run/kvbridge/ready.json",
+                r#"ready-file = "/run/kvbridge/ready.json""#,
+                r#"ready-file = "/tmp/ready.json""#,
             ),
             // Sidecar.
             row(
