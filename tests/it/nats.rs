@@ -13,11 +13,13 @@
 //! - NATS down at start, up, down, up: kvbridge serves throughout, the stream catches up each
 //!   time, in order; `--nats-required` with NATS down: exit 2, one line.
 //!
-//! Ports: nats-server picks its client port itself (`-p -1`; the bound port is read from its log).
-//! Route (cluster) ports cannot be left to it: every node's `--routes` must name the others'
-//! ports before they start (a JetStream cluster needs configured routes). Those are taken from the
-//! kernel (bind port 0, release) and the whole cluster is started again on fresh ones if a node
-//! cannot bind (another process took a port in between).
+//! Ports: nats-server picks its client port itself (`-p -1`) and says which in its ports file
+//! (`--ports_file_dir`), written once it listens: the harness waits for that file. Route
+//! (cluster) ports cannot be left to it: every node's `--routes` must name the others' ports
+//! before they start (a JetStream cluster refuses to start without configured routes). Those are
+//! taken from the kernel (bind port 0, release) and the whole cluster is started again on fresh
+//! ones if a node cannot bind (another process took a port in between). A restarted node comes
+//! back on the ports it had (the test is of reconnection to a known address).
 
 use crate::common;
 
@@ -68,6 +70,8 @@ impl Node {
         let store = dir.join(format!("store-{name}"));
         let log = dir.join(format!("{name}.log"));
         let _ = std::fs::remove_file(&log);
+        let ports_dir = dir.join(format!("ports-{name}"));
+        std::fs::create_dir_all(&ports_dir).unwrap();
         let port = if client_port == 0 {
             "-1".to_string()
         } else {
@@ -88,6 +92,8 @@ impl Node {
         .arg(&store)
         .arg("-l")
         .arg(&log)
+        .arg("--ports_file_dir")
+        .arg(&ports_dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
         if let Some(cp) = cluster_port {
@@ -101,32 +107,34 @@ impl Node {
                 .arg(routes.join(","));
         }
         let mut child = cmd.spawn().expect("spawn nats-server");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(p) = text.lines().find_map(|l| {
-                l.split("Listening for client connections on 127.0.0.1:")
-                    .nth(1)
-            }) {
-                if text.contains("Server is ready") {
-                    return Ok(Node {
-                        name: name.to_string(),
-                        child: Some(child),
-                        client_port: p.trim().parse().unwrap(),
-                        cluster_port,
-                        routes: routes.to_vec(),
-                    });
+        let pid = child.id();
+        let ports = ports_dir.join(format!("nats-server_{pid}.ports"));
+        let client_port = common::eventually(
+            "nats-server wrote its ports file",
+            Duration::from_secs(30),
+            || -> Result<Result<u16, String>, String> {
+                if let Some(st) = child.try_wait().unwrap() {
+                    let log = std::fs::read_to_string(&log).unwrap_or_default();
+                    return Ok(Err(format!("nats-server {name} exited ({st}):\n{log}")));
                 }
-            }
-            if let Some(st) = child.try_wait().unwrap() {
-                return Err(format!("nats-server {name} exited ({st}):\n{text}"));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("nats-server {name} did not start:\n{text}"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+                // Written (whole) once the client listener is up; JetStream started before it.
+                let text = std::fs::read_to_string(&ports).map_err(|e| e.to_string())?;
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| e.to_string())?;
+                let url = v["nats"][0].as_str().ok_or(text.clone())?;
+                let port = url.rsplit(':').next().unwrap().parse::<u16>();
+                Ok(Ok(port.map_err(|e| e.to_string())?))
+            },
+        );
+        match client_port {
+            Ok(client_port) => Ok(Node {
+                name: name.to_string(),
+                child: Some(child),
+                client_port,
+                cluster_port,
+                routes: routes.to_vec(),
+            }),
+            Err(e) => Err(e),
         }
     }
 
@@ -159,6 +167,8 @@ impl Node {
                     return;
                 }
                 Err(e) if Instant::now() > deadline => panic!("{e}"),
+                // The poll interval of a retry: the port is free again once the kernel has
+                // released the killed node's sockets.
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         }
@@ -253,13 +263,17 @@ fn drive_paced(
         });
         w = Some(wl);
         sent += k;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while ring_newest(shm) + (chunk as u64) < base + sent as u64 {
-            assert!(Instant::now() < deadline, "kvbridge is not keeping up");
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        common::eventually("kvbridge keeps up", Duration::from_secs(60), || {
+            let newest = ring_newest(shm);
+            if newest + chunk as u64 >= base + sent as u64 {
+                Ok(())
+            } else {
+                Err(newest)
+            }
+        });
         at(sent);
         if let Some(r) = rate {
+            // Pacing: at most `rate` batches a second is the load under test.
             let due = t0 + Duration::from_secs_f64(sent as f64 / r as f64);
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
@@ -321,6 +335,7 @@ async fn read_subject(js: &jetstream::Context, stream: &str, subject: &str, n: u
             Ok(c) => break c,
             Err(e) if tokio::time::Instant::now() < deadline => {
                 eprintln!("consumer on {subject}: {e}; retrying");
+                // The poll interval of a retry while the cluster elects its leaders.
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
             Err(e) => panic!("consumer on {subject}: {e}"),
@@ -452,6 +467,7 @@ async fn stream_leader(js: &jetstream::Context, stream: &str, deadline: Instant)
             Ok(l) => return l,
             Err(e) => assert!(Instant::now() < deadline, "stream {stream}: {e}"),
         }
+        // The poll interval of the wait for a leader.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -871,9 +887,11 @@ async fn drive_off_thread(engine: Engine, shm: PathBuf, seed: u64, n: usize) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    // The port NATS will have, while nothing listens on it.
-    let port = free_port();
-    let url = format!("nats://127.0.0.1:{port}");
+    // The port NATS will have, while nothing listens on it: the port a first start bound (port
+    // 0), stopped at once; NATS comes back on it below, as a restarted server does.
+    let mut node = Node::start(dir.path(), "solo", 0, None, &[]).expect("nats-server");
+    node.kill();
+    let url = node.url();
     let engine = Engine::start(0);
     let shm = dir.path().join("ring");
     let mut extra = engine_flags(&engine);
@@ -899,7 +917,8 @@ async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
     // NATS up: the stream catches up to all 300, in order.
     let d = dir.path().to_path_buf();
     let mut node = tokio::task::spawn_blocking(move || {
-        Node::start(&d, "solo", port, None, &[]).expect("nats-server")
+        node.restart(&d);
+        node
     })
     .await
     .unwrap();
@@ -954,7 +973,8 @@ async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
 #[test]
 fn nats_required_with_nats_down_exits_2_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("nats://127.0.0.1:{}", free_port());
+    // Port 1 (tcpmux): privileged, and nothing listens on it.
+    let url = "nats://127.0.0.1:1".to_string();
     let out = Command::new(common::bin())
         .args([
             "serve",

@@ -600,14 +600,9 @@ async fn the_table_survives_sigkill_and_a_torn_checkpoint_is_marked_incomplete()
         "before SIGKILL: Y vs X",
     );
     let snap = kvbridge::snapshot::checkpoint_path(&ring);
-    let deadline = std::time::Instant::now() + T;
-    while !snap.exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint written"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::eventually("a checkpoint was written", T, || {
+        snap.exists().then_some(()).ok_or(())
+    });
     // The checkpoint is one the ring can still catch up from (cut + 1 retained): the churn lapped
     // the 1 MiB ring several times, and the checkpoint was rewritten before each lap of its cut.
     // Publish a little more so that the restart really is checkpoint + ring
@@ -719,6 +714,7 @@ async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_co
                     let ev = work.step(1500);
                     e0.publish(Layout::Vllm0102, ev, 0);
                     if i % 3 == 2 {
+                        // Pacing: about 3,000 batches a second.
                         std::thread::sleep(Duration::from_millis(1));
                     }
                 }
@@ -769,12 +765,7 @@ async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_co
         drop(bridge);
         bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
         bridge.metrics = m;
-        // (gRPC is bound before the rings are opened: wait for the table's line)
-        let deadline = std::time::Instant::now() + T;
-        while !bridge.log().contains("snapshot table") {
-            assert!(std::time::Instant::now() < deadline, "{}", bridge.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // (ready: the tables are attached and their lines logged)
         let log = bridge.log();
         assert!(
             log.contains("restored=Checkpoint") && !log.contains("rebuilt from the ring alone"),
@@ -866,7 +857,7 @@ async fn an_unchanged_table_writes_no_checkpoint_and_one_change_a_second_far_few
     let page = scrape(addr);
     let before = writes(&page);
     assert_eq!(before.0, 1.0, "only the start-up checkpoint so far");
-    // no change for 3 s: nothing written
+    // no change for 3 s: nothing written (the idle window being measured)
     std::thread::sleep(Duration::from_secs(3));
     let idle = writes(&scrape(addr));
     assert_eq!(idle, before, "no change, no checkpoint");
@@ -875,6 +866,7 @@ async fn an_unchanged_table_writes_no_checkpoint_and_one_change_a_second_far_few
         let (ev, h) = work.store(None, 1);
         work.chains.push(h);
         e0.publish(Layout::Vllm0102, vec![ev], 0);
+        // Pacing: one change a second is the load under test.
         std::thread::sleep(Duration::from_secs(1));
     }
     let page = scrape(addr);
