@@ -13,13 +13,12 @@
 //! - NATS down at start, up, down, up: kvbridge serves throughout, the stream catches up each
 //!   time, in order; `--nats-required` with NATS down: exit 2, one line.
 //!
-//! Ports: nats-server picks its client port itself (`-p -1`) and says which in its ports file
-//! (`--ports_file_dir`), written once it listens: the harness waits for that file. Route
-//! (cluster) ports cannot be left to it: every node's `--routes` must name the others' ports
-//! before they start (a JetStream cluster refuses to start without configured routes). Those are
-//! taken from the kernel (bind port 0, release) and the whole cluster is started again on fresh
-//! ones if a node cannot bind (another process took a port in between). A restarted node comes
-//! back on the ports it had (the test is of reconnection to a known address).
+//! Ports: nats-server picks its client and cluster ports itself (`-p -1`, `--cluster
+//! nats://127.0.0.1:-1`) and says which in its ports file (`--ports_file_dir`), written once it
+//! listens: the harness waits for that file. In a cluster the first node starts alone; the others
+//! route to the cluster ports of those started before them, and the routes' gossip completes the
+//! mesh. A restarted node comes back on the ports it had (the test is of reconnection to a known
+//! address).
 
 use crate::common;
 
@@ -29,7 +28,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use common::{free_port, Bridge, Engine};
+use common::{Bridge, Engine};
 use futures_util::StreamExt;
 use kvbridge::proto::common::kv_cache_event::Data;
 use kvbridge::proto::common::KvEventBatch;
@@ -59,7 +58,8 @@ struct Node {
 }
 
 impl Node {
-    /// Starts a node; `client_port` 0 lets the server choose. `Err` when it could not bind.
+    /// Starts a node; `client_port` 0 (and a `cluster_port` of 0) lets the server choose.
+    /// `Err` when it could not bind.
     fn start(
         dir: &Path,
         name: &str,
@@ -101,10 +101,22 @@ impl Node {
                 .iter()
                 .map(|p| format!("nats://127.0.0.1:{p}"))
                 .collect();
+            // JetStream refuses a cluster without a configured route: the first node's is port 1
+            // (privileged, nothing listens there); the others' routes lead to it.
+            let routes = if routes.is_empty() {
+                "nats://127.0.0.1:1".to_string()
+            } else {
+                routes.join(",")
+            };
+            let cp = if cp == 0 {
+                "-1".to_string()
+            } else {
+                cp.to_string()
+            };
             cmd.args(["--cluster_name", "kvb", "--cluster"])
                 .arg(format!("nats://127.0.0.1:{cp}"))
                 .arg("--routes")
-                .arg(routes.join(","));
+                .arg(routes);
         }
         let mut child = cmd.spawn().expect("spawn nats-server");
         let pid = child.id();
@@ -112,7 +124,7 @@ impl Node {
         let client_port = common::eventually(
             "nats-server wrote its ports file",
             Duration::from_secs(30),
-            || -> Result<Result<u16, String>, String> {
+            || -> Result<Result<(u16, Option<u16>), String>, String> {
                 if let Some(st) = child.try_wait().unwrap() {
                     let log = std::fs::read_to_string(&log).unwrap_or_default();
                     return Ok(Err(format!("nats-server {name} exited ({st}):\n{log}")));
@@ -121,13 +133,20 @@ impl Node {
                 let text = std::fs::read_to_string(&ports).map_err(|e| e.to_string())?;
                 let v: serde_json::Value =
                     serde_json::from_str(&text).map_err(|e| e.to_string())?;
-                let url = v["nats"][0].as_str().ok_or(text.clone())?;
-                let port = url.rsplit(':').next().unwrap().parse::<u16>();
-                Ok(Ok(port.map_err(|e| e.to_string())?))
+                let port = |url: &serde_json::Value| {
+                    url.as_str()
+                        .and_then(|u| u.rsplit(':').next()?.parse::<u16>().ok())
+                };
+                let client = port(&v["nats"][0]).ok_or(text.clone())?;
+                let cluster = match cluster_port {
+                    Some(_) => Some(port(&v["cluster"][0]).ok_or(text.clone())?),
+                    None => None,
+                };
+                Ok(Ok((client, cluster)))
             },
         );
         match client_port {
-            Ok(client_port) => Ok(Node {
+            Ok((client_port, cluster_port)) => Ok(Node {
                 name: name.to_string(),
                 child: Some(child),
                 client_port,
@@ -181,31 +200,17 @@ impl Drop for Node {
     }
 }
 
-/// Three clustered JetStream nodes, started again on fresh route ports if one cannot bind.
+/// Three clustered JetStream nodes on ports of their choosing: each routes to the cluster ports
+/// of the nodes started before it.
 fn cluster(dir: &Path) -> Vec<Node> {
-    for attempt in 0..5 {
-        let ports = [free_port(), free_port(), free_port()];
-        let mut nodes = Vec::new();
-        let mut failed = None;
-        for (i, cp) in ports.iter().enumerate() {
-            match Node::start(dir, &format!("n{}", i + 1), 0, Some(*cp), &ports) {
-                Ok(n) => nodes.push(n),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        match failed {
-            None => return nodes,
-            Some(e) => eprintln!("cluster attempt {attempt} failed, retrying on fresh ports: {e}"),
-        }
-        drop(nodes);
-        for i in 1..=3 {
-            let _ = std::fs::remove_dir_all(dir.join(format!("store-n{i}")));
-        }
+    let mut nodes: Vec<Node> = Vec::new();
+    for i in 1..=3 {
+        let routes: Vec<u16> = nodes.iter().filter_map(|n| n.cluster_port).collect();
+        let n = Node::start(dir, &format!("n{i}"), 0, Some(0), &routes)
+            .unwrap_or_else(|e| panic!("{e}"));
+        nodes.push(n);
     }
-    panic!("could not start a three-node cluster in 5 attempts");
+    nodes
 }
 
 async fn js_client(urls: &str) -> jetstream::Context {
