@@ -527,7 +527,11 @@ fn late_joiner_after_wrap_and_restart_gets_the_whole_state() {
     // A short engine buffer, so that a test-sized churn rolls it.
     engine.with(|p| p.set_buffer_steps(200));
     // Long-lived blocks first, then churn (store then remove) until the ring wrapped and the
-    // engine's own replay buffer no longer reaches the first stores.
+    // engine's own replay buffer no longer reaches the first stores. kvbridge is subscribed
+    // before the first store, and has all 20 before the churn: a store it missed (slow joiner)
+    // would come through the engine's replay, which the churn can roll first on a busy host
+    // (then lost, in band).
+    engine.wait_subscribed();
     let mut live = BTreeSet::new();
     for i in 0..20u64 {
         let ev = common::store(10_000 + i, 4, None);
@@ -536,6 +540,9 @@ fn late_joiner_after_wrap_and_restart_gets_the_whole_state() {
         }
         engine.publish(kvbridge::sim::Layout::Vllm033, vec![ev], 0);
     }
+    common::wait_metrics(maddr, Duration::from_secs(30), |p| {
+        metric(p, "kvbridge_batches_received_total", &[("rank", "0")]) >= 20.0
+    });
     let mut n = 0u64;
     let wrapped = || {
         let page = scrape(maddr);
