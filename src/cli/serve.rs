@@ -23,7 +23,24 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
     rt.block_on(async move {
         // Before anything starts: a SIGTERM during start-up still means a clean stop.
         let mut stop = StopSignals::install()?;
+        // One left by an earlier run must not pass for this one's.
+        if let Some(path) = &cfg.ops.ready_file {
+            remove_ready_file(path);
+        }
         let handle = run_service(&cfg).await?;
+        let ready = match &cfg.ops.ready_file {
+            Some(path) => match write_ready_file(path, &handle) {
+                Ok(()) => Some(path.clone()),
+                Err(e) => {
+                    handle.shutdown().await;
+                    return Err(CliError::Setup(format!(
+                        "--ready-file {}: {e}",
+                        path.display()
+                    )));
+                }
+            },
+            None => None,
+        };
         let mut fatal = handle.failure();
         let failed = tokio::select! {
             _ = stop.recv() => None,
@@ -38,12 +55,55 @@ pub(super) fn run(args: ServeArgs) -> Result<(), CliError> {
             }
             Some(why) => tracing::error!("shutting down after a fatal ring error: {why}"),
         }
+        // Not ready any more from the moment shutting down begins.
+        if let Some(path) = &ready {
+            remove_ready_file(path);
+        }
         handle.shutdown().await;
         match failed {
             None => Ok(()),
             Some(why) => Err(CliError::Failed(why)),
         }
     })
+}
+
+/// Writes `--ready-file`: the addresses as bound, as one JSON object, through a temporary file
+/// in the same directory renamed over `path`, so that a reader sees the whole file or none.
+fn write_ready_file(path: &std::path::Path, h: &ServiceHandle) -> std::io::Result<()> {
+    let publish_zmq: Vec<serde_json::Value> = h
+        .zmq_publisher
+        .iter()
+        .flat_map(|z| &z.bound)
+        .map(|(rank, publish, replay)| {
+            serde_json::json!({ "rank": rank, "publish": publish, "replay": replay })
+        })
+        .collect();
+    let text = serde_json::json!({
+        "pid": std::process::id(),
+        "grpc": h.grpc_addr.to_string(),
+        "metrics": h.metrics_addr.map(|a| a.to_string()),
+        "publish_zmq": publish_zmq,
+    })
+    .to_string();
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp.{}", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
+    let written = std::fs::write(&tmp, text + "\n").and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Removes `--ready-file` (nothing to do when it is not there).
+fn remove_ready_file(path: &std::path::Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot remove the ready file")
+        }
+    }
 }
 
 /// SIGTERM and SIGINT (Ctrl-C), caught from the moment they are installed.

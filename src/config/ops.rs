@@ -3,6 +3,7 @@
 //! health grace to the reporter.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -59,6 +60,12 @@ concern! {
         /// in ms.
         #[arg(long, value_name = "MS")]
         pub health_grace_ms: Option<u64>,
+        /// Once every listener is bound and start-up is done, write this JSON file (atomically:
+        /// a temporary file renamed): `pid`, `grpc` and `metrics` (null when off) as bound, and
+        /// `publish_zmq`, each rank's bound PUB and replay endpoints. Removed on exit; a
+        /// supervisor or test waits for it instead of reading logs or probing ports.
+        #[arg(long, value_name = "FILE")]
+        pub ready_file: Option<PathBuf>,
     }
 }
 
@@ -72,6 +79,8 @@ pub struct OpsConfig {
     pub log_format: LogFormat,
     /// Health grace period after start-up and after the last upstream disconnect.
     pub health_grace: Duration,
+    /// `--ready-file`: written once start-up is done, removed on exit.
+    pub ready_file: Option<PathBuf>,
 }
 
 impl OpsArgs {
@@ -94,6 +103,7 @@ impl OpsArgs {
             metrics,
             log_format: self.log_format.unwrap_or_default(),
             health_grace: Duration::from_millis(health_grace_ms),
+            ready_file: self.ready_file,
         })
     }
 }

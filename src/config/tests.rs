@@ -485,6 +485,11 @@ fn rows(dir: &Path) -> Vec<Row> {
             "health-grace-ms = 250",
             "health-grace-ms = 300",
         ),
+        row(
+            "--ready-file /run/kvbridge/ready.json",
+            r#"ready-file = "/run/kvbridge/ready.json""#,
+            r#"ready-file = "/tmp/ready.json""#,
+        ),
         // Sidecar.
         row(
             "--engine-grpc 127.0.0.1:50051",

@@ -82,6 +82,21 @@ pub struct RankState {
     /// The publisher (re)connected since `last` was applied: a seq ≤ `last` is then a restart,
     /// not a repeated frame (docs/engine-wire.md §8).
     reconnected: bool,
+    /// Batches a replay applied whose live copies may still be on their way, oldest first, as
+    /// (seq, payload digest). The live SUB and the replay DEALER are two connections, and
+    /// nothing orders the one's deliveries against the other's: on a busy host the replay's end
+    /// marker can arrive before live frames the engine sent earlier. Such a live frame has a seq
+    /// ≤ `last` but is no restart: it is dropped as the duplicate it is when its seq and bytes
+    /// match the replayed batch.
+    replayed_ahead: VecDeque<(u64, u64)>,
+}
+
+/// A digest of a batch payload, to recognise a live copy of a replayed batch.
+fn digest(payload: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    payload.hash(&mut h);
+    h.finish()
 }
 
 impl RankState {
@@ -94,6 +109,7 @@ impl RankState {
             limits,
             m: metrics,
             reconnected: false,
+            replayed_ahead: VecDeque::new(),
         }
     }
 
@@ -144,6 +160,10 @@ impl RankState {
             self.m.frame_dropped("empty_payload");
             return;
         }
+        if self.late_live_copy(s, payload) {
+            self.m.duplicates.inc();
+            return;
+        }
         match self.pos {
             Pos::AcceptAny => self.apply(s, payload, sink),
             Pos::Fresh if s == 0 => self.apply(s, payload, sink),
@@ -159,6 +179,7 @@ impl RankState {
                 self.m.restarts.inc();
                 self.clear(sink, s, ClearCause::EngineRestart);
                 self.pos = Pos::Fresh;
+                self.replayed_ahead.clear();
                 self.step(s, payload, sink, rep, may_replay)
             }
             Pos::Fresh | Pos::Last(_) => {
@@ -178,6 +199,23 @@ impl RankState {
                     }
                 }
             }
+        }
+    }
+
+    /// Whether live batch `s` is the late live copy of a batch a replay applied already (see
+    /// `replayed_ahead`). Forgets the replayed batches whose copies can no longer come: the live
+    /// stream of one connection is in seq order, so once it shows `s`, copies of earlier seqs
+    /// were lost, and once it passes the newest replayed seq, none is pending.
+    fn late_live_copy(&mut self, s: u64, payload: &[u8]) -> bool {
+        while self.replayed_ahead.front().is_some_and(|&(r, _)| r < s) {
+            self.replayed_ahead.pop_front();
+        }
+        match self.replayed_ahead.front() {
+            Some(&(r, d)) if r == s => {
+                self.replayed_ahead.pop_front();
+                d == digest(payload)
+            }
+            _ => false,
         }
     }
 
@@ -236,6 +274,7 @@ impl RankState {
                         first = false;
                         this.m.replayed.inc();
                         this.apply(rs, rp, sink);
+                        this.replayed_ahead.push_back((rs, digest(rp)));
                     },
                     &mut |ls, lp| {
                         if live.len() >= limit {
@@ -531,6 +570,43 @@ mod tests {
         st.on_live(4, b"l", &mut sink, Some(&mut eng));
         assert_eq!(eng.requests, [1]);
         assert_eq!(sink.0, ["0:a", "1:r", "2:r", "3:r", "4:r", "5:r", "6:l"]);
+    }
+
+    #[test]
+    fn live_copies_arriving_after_the_replay_that_applied_them_are_duplicates() {
+        // A slow joiner sees live 1 first; the replay from 0 returns 0..=4 and ends before the
+        // live copies of 2..=4 arrive (two connections, no order between them).
+        let (mut st, m) = state_with_metrics();
+        let mut sink = Rec::default();
+        let mut eng = Engine::new(&[0, 1, 2, 3, 4], ReplayEnd::Complete);
+        st.on_live(1, b"r", &mut sink, Some(&mut eng));
+        for s in 2..=4 {
+            st.on_live(s, b"r", &mut sink, Some(&mut eng));
+        }
+        st.on_live(5, b"l", &mut sink, Some(&mut eng));
+        assert_eq!(sink.0, ["0:r", "1:r", "2:r", "3:r", "4:r", "5:l"]);
+        assert_eq!(eng.requests, [0], "one replay");
+        assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
+        assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 4);
+    }
+
+    #[test]
+    fn a_lower_seq_with_other_bytes_after_a_replay_is_still_a_restart() {
+        let mut st = state(None);
+        let mut sink = Rec::default();
+        let mut eng = Engine::new(&[0, 1, 2, 3], ReplayEnd::Complete);
+        st.on_live(1, b"r", &mut sink, Some(&mut eng));
+        // Live 2 (a late copy), then the engine restarts before live 3's copy came.
+        st.on_live(2, b"r", &mut sink, None);
+        st.on_live(0, b"n", &mut sink, None);
+        assert_eq!(
+            sink.0,
+            ["0:r", "1:r", "2:r", "3:r", "clear:engine_restart", "0:n"]
+        );
+        // A copy of the old 3 that would still come is not the new incarnation's business:
+        // it is judged against the new seqs (here a gap without a replay endpoint).
+        st.on_live(1, b"n", &mut sink, None);
+        assert_eq!(sink.0.last().unwrap(), "1:n");
     }
 
     #[test]

@@ -185,27 +185,28 @@ fn worker(
     gen_log: &Path,
     extra: &[&str],
 ) -> Worker {
-    let port = free_port();
-    let engine = spawn(
+    // Port 0: the engine's listening socket (the only one it has) says where it is.
+    let mut engine = spawn(
         if name == "A" { "engine-a" } else { "engine-b" },
         dir,
         Command::new(py).args([
             repo().join("tests/interop/smg_engine.py").to_str().unwrap(),
-            &port.to_string(),
+            "0",
             name,
             tok.to_str().unwrap(),
             gen_log.to_str().unwrap(),
         ]),
     );
-    let deadline = Instant::now() + T;
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "engine {name} did not start:\n{}",
-            engine.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let pid = engine.0.id();
+    let port = common::eventually("the engine listens", T, || {
+        if let Ok(Some(st)) = engine.0.try_wait() {
+            panic!("engine {name} exited ({st}):\n{}", engine.log());
+        }
+        match common::listening_ports(pid).as_slice() {
+            [p] => Ok(*p),
+            other => Err(other.to_vec()),
+        }
+    });
     let zmq = Engine::start(0);
     let engine_grpc = format!("127.0.0.1:{port}");
     let args: Vec<String> = [
@@ -224,21 +225,9 @@ fn worker(
     .collect();
     let (bridge, metrics) =
         Bridge::start_with_metrics(dir, &dir.join(format!("ring-{name}")), &args);
-    // `serve` opens gRPC before /metrics: poll without failing on a refused connection.
-    let deadline = Instant::now() + T;
-    while metric(
-        &get_metrics(metrics.port()),
-        "kvbridge_upstream_connected",
-        &[("rank", "0")],
-    ) < 1.0
-    {
-        assert!(
-            Instant::now() < deadline,
-            "kvbridge {name} never connected upstream:\n{}",
-            bridge.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::wait_metrics(metrics, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) >= 1.0
+    });
     Worker {
         name,
         zmq,
@@ -295,10 +284,18 @@ struct Gateway<'a> {
 }
 
 impl<'a> Gateway<'a> {
+    /// The gateway on two ports picked beforehand: it has a port for HTTP and one for
+    /// Prometheus and reports neither, so port 0 would leave the two indistinguishable. Started
+    /// again on fresh ports when one was taken in between.
     fn launch(s: &Setup, workers: [&'a Worker; 2]) -> Gateway<'a> {
+        common::retry_on_taken_port(|| Gateway::try_launch(s, workers))
+    }
+
+    /// One start; `Err` (with its log) when it exits before it listens on both ports.
+    fn try_launch(s: &Setup, workers: [&'a Worker; 2]) -> Result<Gateway<'a>, String> {
         let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let prom = free_port();
-        let proc = spawn(
+        let mut proc = spawn(
             "smg",
             s.dir.path(),
             // The venv's python runs the `smg` script (its shebang names the path the venv was
@@ -326,12 +323,24 @@ impl<'a> Gateway<'a> {
                 "3600",
             ]),
         );
-        Gateway {
+        let pid = proc.0.id();
+        common::eventually("the gateway listens on both ports", T, || {
+            if let Ok(Some(st)) = proc.0.try_wait() {
+                return Ok(Err(format!("the gateway exited ({st}):\n{}", proc.log())));
+            }
+            let ports = common::listening_ports(pid);
+            if ports.contains(&http.port()) && ports.contains(&prom) {
+                Ok(Ok(()))
+            } else {
+                Err(ports)
+            }
+        })?;
+        Ok(Gateway {
             proc,
             http,
             prom,
             workers,
-        }
+        })
     }
 
     /// Panics with `what` and every log.
@@ -536,11 +545,14 @@ fn smg_gateway_started_after_the_ring_wrapped_routes_to_the_worker_holding_the_p
     // cache_aware threshold there, nothing on B), never to B by a tie.
     let tokens = blocks_of_prompt(0);
     b.zmq.publish(layout(0), vec![store_of(&tokens, 1)], 0);
-    let deadline = Instant::now() + T;
-    while window(&b).1 < 1.0 {
-        assert!(Instant::now() < deadline, "B never ingested the store");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::eventually("B ingested the store", T, || {
+        let w = window(&b);
+        if w.1 >= 1.0 {
+            Ok(())
+        } else {
+            Err(w)
+        }
+    });
     let stored_at = window(&b).1;
 
     // Unrelated traffic into B until its ring no longer holds the store: each batch stores
@@ -570,6 +582,8 @@ fn smg_gateway_started_after_the_ring_wrapped_routes_to_the_worker_holding_the_p
             let batch = stores.clone().into_iter().chain(removes).collect();
             b.zmq.publish(layout(0), batch, 0);
         }
+        // Pacing: 20 batches, then a look at the window, so that B's ingest keeps up with the
+        // publisher (a ZMQ pipe never has to drop).
         std::thread::sleep(Duration::from_millis(50));
     }
     let (oldest, newest) = window(&b);
@@ -578,11 +592,14 @@ fn smg_gateway_started_after_the_ring_wrapped_routes_to_the_worker_holding_the_p
     // A holds the first two blocks, in its window.
     a.zmq
         .publish(layout(0), vec![store_of(&tokens[..2 * BLOCK], 2)], 0);
-    let deadline = Instant::now() + T;
-    while window(&a).1 < 1.0 {
-        assert!(Instant::now() < deadline, "A never ingested its store");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::eventually("A ingested its store", T, || {
+        let w = window(&a);
+        if w.1 >= 1.0 {
+            Ok(())
+        } else {
+            Err(w)
+        }
+    });
 
     // Only now the gateway.
     let gw = Gateway::launch(&s, [&a, &b]);

@@ -13,11 +13,12 @@
 //! - NATS down at start, up, down, up: kvbridge serves throughout, the stream catches up each
 //!   time, in order; `--nats-required` with NATS down: exit 2, one line.
 //!
-//! Ports: nats-server picks its client port itself (`-p -1`; the bound port is read from its log).
-//! Route (cluster) ports cannot be left to it: every node's `--routes` must name the others'
-//! ports before they start (a JetStream cluster needs configured routes). Those are taken from the
-//! kernel (bind port 0, release) and the whole cluster is started again on fresh ones if a node
-//! cannot bind (another process took a port in between).
+//! Ports: nats-server picks its client and cluster ports itself (`-p -1`, `--cluster
+//! nats://127.0.0.1:-1`) and says which in its ports file (`--ports_file_dir`), written once it
+//! listens: the harness waits for that file. In a cluster the first node starts alone; the others
+//! route to the cluster ports of those started before them, and the routes' gossip completes the
+//! mesh. A restarted node comes back on the ports it had (the test is of reconnection to a known
+//! address).
 
 use crate::common;
 
@@ -27,7 +28,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use common::{free_port, Bridge, Engine};
+use common::{Bridge, Engine};
 use futures_util::StreamExt;
 use kvbridge::proto::common::kv_cache_event::Data;
 use kvbridge::proto::common::KvEventBatch;
@@ -57,7 +58,8 @@ struct Node {
 }
 
 impl Node {
-    /// Starts a node; `client_port` 0 lets the server choose. `Err` when it could not bind.
+    /// Starts a node; `client_port` 0 (and a `cluster_port` of 0) lets the server choose.
+    /// `Err` when it could not bind.
     fn start(
         dir: &Path,
         name: &str,
@@ -68,6 +70,8 @@ impl Node {
         let store = dir.join(format!("store-{name}"));
         let log = dir.join(format!("{name}.log"));
         let _ = std::fs::remove_file(&log);
+        let ports_dir = dir.join(format!("ports-{name}"));
+        std::fs::create_dir_all(&ports_dir).unwrap();
         let port = if client_port == 0 {
             "-1".to_string()
         } else {
@@ -88,6 +92,8 @@ impl Node {
         .arg(&store)
         .arg("-l")
         .arg(&log)
+        .arg("--ports_file_dir")
+        .arg(&ports_dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
         if let Some(cp) = cluster_port {
@@ -95,38 +101,59 @@ impl Node {
                 .iter()
                 .map(|p| format!("nats://127.0.0.1:{p}"))
                 .collect();
+            // JetStream refuses a cluster without a configured route: the first node's is port 1
+            // (privileged, nothing listens there); the others' routes lead to it.
+            let routes = if routes.is_empty() {
+                "nats://127.0.0.1:1".to_string()
+            } else {
+                routes.join(",")
+            };
+            let cp = if cp == 0 {
+                "-1".to_string()
+            } else {
+                cp.to_string()
+            };
             cmd.args(["--cluster_name", "kvb", "--cluster"])
                 .arg(format!("nats://127.0.0.1:{cp}"))
                 .arg("--routes")
-                .arg(routes.join(","));
+                .arg(routes);
         }
         let mut child = cmd.spawn().expect("spawn nats-server");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(p) = text.lines().find_map(|l| {
-                l.split("Listening for client connections on 127.0.0.1:")
-                    .nth(1)
-            }) {
-                if text.contains("Server is ready") {
-                    return Ok(Node {
-                        name: name.to_string(),
-                        child: Some(child),
-                        client_port: p.trim().parse().unwrap(),
-                        cluster_port,
-                        routes: routes.to_vec(),
-                    });
+        let pid = child.id();
+        let ports = ports_dir.join(format!("nats-server_{pid}.ports"));
+        let client_port = common::eventually(
+            "nats-server wrote its ports file",
+            Duration::from_secs(30),
+            || -> Result<Result<(u16, Option<u16>), String>, String> {
+                if let Some(st) = child.try_wait().unwrap() {
+                    let log = std::fs::read_to_string(&log).unwrap_or_default();
+                    return Ok(Err(format!("nats-server {name} exited ({st}):\n{log}")));
                 }
-            }
-            if let Some(st) = child.try_wait().unwrap() {
-                return Err(format!("nats-server {name} exited ({st}):\n{text}"));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("nats-server {name} did not start:\n{text}"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+                // Written (whole) once the client listener is up; JetStream started before it.
+                let text = std::fs::read_to_string(&ports).map_err(|e| e.to_string())?;
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| e.to_string())?;
+                let port = |url: &serde_json::Value| {
+                    url.as_str()
+                        .and_then(|u| u.rsplit(':').next()?.parse::<u16>().ok())
+                };
+                let client = port(&v["nats"][0]).ok_or(text.clone())?;
+                let cluster = match cluster_port {
+                    Some(_) => Some(port(&v["cluster"][0]).ok_or(text.clone())?),
+                    None => None,
+                };
+                Ok(Ok((client, cluster)))
+            },
+        );
+        match client_port {
+            Ok((client_port, cluster_port)) => Ok(Node {
+                name: name.to_string(),
+                child: Some(child),
+                client_port,
+                cluster_port,
+                routes: routes.to_vec(),
+            }),
+            Err(e) => Err(e),
         }
     }
 
@@ -159,6 +186,8 @@ impl Node {
                     return;
                 }
                 Err(e) if Instant::now() > deadline => panic!("{e}"),
+                // The poll interval of a retry: the port is free again once the kernel has
+                // released the killed node's sockets.
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         }
@@ -171,31 +200,17 @@ impl Drop for Node {
     }
 }
 
-/// Three clustered JetStream nodes, started again on fresh route ports if one cannot bind.
+/// Three clustered JetStream nodes on ports of their choosing: each routes to the cluster ports
+/// of the nodes started before it.
 fn cluster(dir: &Path) -> Vec<Node> {
-    for attempt in 0..5 {
-        let ports = [free_port(), free_port(), free_port()];
-        let mut nodes = Vec::new();
-        let mut failed = None;
-        for (i, cp) in ports.iter().enumerate() {
-            match Node::start(dir, &format!("n{}", i + 1), 0, Some(*cp), &ports) {
-                Ok(n) => nodes.push(n),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        match failed {
-            None => return nodes,
-            Some(e) => eprintln!("cluster attempt {attempt} failed, retrying on fresh ports: {e}"),
-        }
-        drop(nodes);
-        for i in 1..=3 {
-            let _ = std::fs::remove_dir_all(dir.join(format!("store-n{i}")));
-        }
+    let mut nodes: Vec<Node> = Vec::new();
+    for i in 1..=3 {
+        let routes: Vec<u16> = nodes.iter().filter_map(|n| n.cluster_port).collect();
+        let n = Node::start(dir, &format!("n{i}"), 0, Some(0), &routes)
+            .unwrap_or_else(|e| panic!("{e}"));
+        nodes.push(n);
     }
-    panic!("could not start a three-node cluster in 5 attempts");
+    nodes
 }
 
 async fn js_client(urls: &str) -> jetstream::Context {
@@ -253,13 +268,17 @@ fn drive_paced(
         });
         w = Some(wl);
         sent += k;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while ring_newest(shm) + (chunk as u64) < base + sent as u64 {
-            assert!(Instant::now() < deadline, "kvbridge is not keeping up");
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        common::eventually("kvbridge keeps up", Duration::from_secs(60), || {
+            let newest = ring_newest(shm);
+            if newest + chunk as u64 >= base + sent as u64 {
+                Ok(())
+            } else {
+                Err(newest)
+            }
+        });
         at(sent);
         if let Some(r) = rate {
+            // Pacing: at most `rate` batches a second is the load under test.
             let due = t0 + Duration::from_secs_f64(sent as f64 / r as f64);
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
@@ -321,6 +340,7 @@ async fn read_subject(js: &jetstream::Context, stream: &str, subject: &str, n: u
             Ok(c) => break c,
             Err(e) if tokio::time::Instant::now() < deadline => {
                 eprintln!("consumer on {subject}: {e}; retrying");
+                // The poll interval of a retry while the cluster elects its leaders.
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
             Err(e) => panic!("consumer on {subject}: {e}"),
@@ -452,6 +472,7 @@ async fn stream_leader(js: &jetstream::Context, stream: &str, deadline: Instant)
             Ok(l) => return l,
             Err(e) => assert!(Instant::now() < deadline, "stream {stream}: {e}"),
         }
+        // The poll interval of the wait for a leader.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -561,9 +582,11 @@ async fn bridge_sigkilled_and_restarted_on_its_ring_publishes_every_record_once(
             if sent == N / 2 {
                 // SIGKILL mid-run (acknowledgements in flight), restart on the same ring.
                 let mut b = bridge.take().unwrap();
-                let page = common::scrape(metrics);
-                let acked = common::metric(&page, "kvbridge_nats_acked_sequence", &[]);
-                assert!(acked > 0.0, "nothing published before the kill");
+                // The sink sets itself up in the background (later on a busy host): the kill
+                // comes once it has acknowledgements, with more in flight.
+                common::wait_metrics(metrics, Duration::from_secs(60), |p| {
+                    common::metric(p, "kvbridge_nats_acked_sequence", &[]) > 0.0
+                });
                 b.child.kill().unwrap();
                 b.child.wait().unwrap();
                 kills += 1;
@@ -871,9 +894,11 @@ async fn drive_off_thread(engine: Engine, shm: PathBuf, seed: u64, n: usize) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    // The port NATS will have, while nothing listens on it.
-    let port = free_port();
-    let url = format!("nats://127.0.0.1:{port}");
+    // The port NATS will have, while nothing listens on it: the port a first start bound (port
+    // 0), stopped at once; NATS comes back on it below, as a restarted server does.
+    let mut node = Node::start(dir.path(), "solo", 0, None, &[]).expect("nats-server");
+    node.kill();
+    let url = node.url();
     let engine = Engine::start(0);
     let shm = dir.path().join("ring");
     let mut extra = engine_flags(&engine);
@@ -899,7 +924,8 @@ async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
     // NATS up: the stream catches up to all 300, in order.
     let d = dir.path().to_path_buf();
     let mut node = tokio::task::spawn_blocking(move || {
-        Node::start(&d, "solo", port, None, &[]).expect("nats-server")
+        node.restart(&d);
+        node
     })
     .await
     .unwrap();
@@ -954,7 +980,8 @@ async fn nats_down_at_start_then_up_down_up_the_stream_catches_up_in_order() {
 #[test]
 fn nats_required_with_nats_down_exits_2_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("nats://127.0.0.1:{}", free_port());
+    // Port 1 (tcpmux): privileged, and nothing listens on it.
+    let url = "nats://127.0.0.1:1".to_string();
     let out = Command::new(common::bin())
         .args([
             "serve",

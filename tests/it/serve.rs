@@ -251,6 +251,7 @@ async fn a_subscriber_that_stops_reading_gets_data_loss_and_never_stalls_others(
     for (i, ev) in events.into_iter().enumerate() {
         e.publish(layout(i), vec![ev], 0);
         if i % 2 == 1 {
+            // Pacing: a steady stream through the ring, not one burst.
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
@@ -346,7 +347,8 @@ async fn bridge_restart_continues_the_sequence_and_catches_up_from_replay() {
     let hb = hashes_of(&b);
     e.publish(Layout::Vllm022Bin, vec![b], 0);
 
-    let grpc = format!("127.0.0.1:{}", free_port());
+    // Another port (0: the bridge binds one): the cursor belongs to the ring, not the address.
+    let grpc = "127.0.0.1:0".to_string();
     let mut args = vec![
         "serve".to_string(),
         "--grpc".into(),
@@ -472,7 +474,8 @@ fn setup_errors_are_one_line_and_exit_2() {
     ]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--shm"), "{err}");
-    let (code, err) = run(&["subscribe", "--grpc", &format!("127.0.0.1:{}", free_port())]);
+    // Port 1 (tcpmux): privileged, and nothing listens on it.
+    let (code, err) = run(&["subscribe", "--grpc", "127.0.0.1:1"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("cannot connect"), "{err}");
     let (code, err) = run(&["tail", "--shm", "/nonexistent-dir/ring"]);

@@ -105,39 +105,13 @@ fn replay(ctx: &zmq::Context, endpoint: &str, start: u64) -> Vec<Msg> {
     }
 }
 
-/// The bound endpoints the bridge logged, per rank: (PUB, replay).
+/// The bound endpoints, per rank: (PUB, replay), from the bridge's ready file.
 fn endpoints(b: &Bridge, ranks: usize) -> Vec<(String, String)> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let log = b.log();
-        let mut found: Vec<(u32, String, String)> = log
-            .lines()
-            .filter(|l| l.contains("publishing on the engine ZMQ wire"))
-            .map(|l| {
-                let f = |name: &str| {
-                    l.split_whitespace()
-                        .find_map(|w| w.strip_prefix(name))
-                        .unwrap_or_else(|| panic!("no {name} in {l:?}"))
-                        .to_string()
-                };
-                (f("rank=").parse().unwrap(), f("publish="), f("replay="))
-            })
-            .collect();
-        if found.len() >= ranks {
-            found.sort();
-            // the newest start's lines (a restarted bridge logs them again)
-            let n = found.len();
-            return found[n - ranks..]
-                .iter()
-                .map(|(_, p, r)| (p.clone(), r.clone()))
-                .collect();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no ZMQ endpoints in the log:\n{log}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert_eq!(b.publish_zmq.len(), ranks, "ranks in the ready file");
+    b.publish_zmq
+        .iter()
+        .map(|(p, r)| (p.clone(), r.clone().unwrap_or_else(|| "off".into())))
+        .collect()
 }
 
 /// vLLM's own decoding of each payload (tests/zmq_publish/vllm_decode.py).
@@ -336,7 +310,9 @@ fn publish_args(publish: &str, replay: &str) -> Vec<String> {
         .to_vec()
 }
 
-/// A port P with P + 1 free as well (rank 1 binds P + 1).
+/// A port P with P + 1 free as well a moment ago (rank 1 binds P + 1). A rule fixes the ports
+/// (PORT + rank), so port 0 cannot stand in: the caller starts again when one was taken
+/// meanwhile ([`common::retry_on_taken_port`]).
 fn free_port_pair() -> u16 {
     for _ in 0..200 {
         let p = free_port();
@@ -448,14 +424,16 @@ fn two_ranks_publish_on_port_plus_rank() {
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let (e0, e1) = (Engine::start(0), Engine::start(1));
-    let (p, r) = (free_port_pair(), free_port_pair());
-    let mut args = base_args(&[&e0, &e1]);
-    args.extend(publish_args(
-        &format!("tcp://127.0.0.1:{p}"),
-        &format!("tcp://127.0.0.1:{r}"),
-    ));
-    args.extend(["--dp-mode", "metadata"].map(String::from));
-    let bridge = Bridge::start(dir.path(), &ring, &args);
+    let (p, r, bridge) = common::retry_on_taken_port(|| {
+        let (p, r) = (free_port_pair(), free_port_pair());
+        let mut args = base_args(&[&e0, &e1]);
+        args.extend(publish_args(
+            &format!("tcp://127.0.0.1:{p}"),
+            &format!("tcp://127.0.0.1:{r}"),
+        ));
+        args.extend(["--dp-mode", "metadata"].map(String::from));
+        Bridge::try_start(dir.path(), &ring, &args).map(|b| (p, r, b))
+    });
     let eps = endpoints(&bridge, 2);
     assert_eq!(eps[0].0, format!("tcp://127.0.0.1:{p}"));
     assert_eq!(eps[1].0, format!("tcp://127.0.0.1:{}", p + 1));
@@ -540,19 +518,20 @@ fn late_joiner_after_wrap_and_restart_gets_the_whole_state() {
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let engine = Engine::start(0);
-    let (p, r) = (free_port(), free_port());
     let mut args = base_args(&[&engine]);
     args.extend(["--ring-size", "1MiB", "--snapshot-chunk-size", "16KiB"].map(String::from));
-    args.extend(publish_args(
-        &format!("tcp://127.0.0.1:{p}"),
-        &format!("tcp://127.0.0.1:{r}"),
-    ));
+    // Port 0: the ready file says where; a restart comes back on the same endpoints.
+    args.extend(publish_args("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"));
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &ring, &args);
     let (_, replay_ep) = endpoints(&bridge, 1).remove(0);
     // A short engine buffer, so that a test-sized churn rolls it.
     engine.with(|p| p.set_buffer_steps(200));
     // Long-lived blocks first, then churn (store then remove) until the ring wrapped and the
-    // engine's own replay buffer no longer reaches the first stores.
+    // engine's own replay buffer no longer reaches the first stores. kvbridge is subscribed
+    // before the first store, and has all 20 before the churn: a store it missed (slow joiner)
+    // would come through the engine's replay, which the churn can roll first on a busy host
+    // (then lost, in band).
+    engine.wait_subscribed();
     let mut live = BTreeSet::new();
     for i in 0..20u64 {
         let ev = common::store(10_000 + i, 4, None);
@@ -561,6 +540,9 @@ fn late_joiner_after_wrap_and_restart_gets_the_whole_state() {
         }
         engine.publish(kvbridge_tools::sim::Layout::Vllm033, vec![ev], 0);
     }
+    common::wait_metrics(maddr, Duration::from_secs(30), |p| {
+        metric(p, "kvbridge_batches_received_total", &[("rank", "0")]) >= 20.0
+    });
     let mut n = 0u64;
     let wrapped = || {
         let page = scrape(maddr);
@@ -935,7 +917,7 @@ fn bad_consumers_do_not_hold_anyone_else() {
 }
 
 /// Dynamo's standalone KV indexer (`python -m dynamo.indexer`, scripts/dynamo-venv.sh), a child
-/// process on a free port, driven over its HTTP API.
+/// process on port 0, driven over its HTTP API.
 struct Indexer {
     child: std::process::Child,
     port: u16,
@@ -948,23 +930,34 @@ impl Indexer {
             &[],
             "Python >= 3.10 and PyPI (ai-dynamo-runtime)",
         );
-        let port = free_port();
-        let log = std::fs::File::create(dir.join(format!("indexer-{port}.log"))).unwrap();
-        let child = Command::new(python)
-            .args(["-m", "dynamo.indexer", "--port", &port.to_string()])
+        let log_path = dir.join("indexer.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let mut child = Command::new(python)
+            .args(["-m", "dynamo.indexer", "--port", "0"])
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .unwrap();
+        // It logs the port as given (0), not as bound: the bound one is its listening socket.
+        let pid = child.id();
+        let port = common::eventually(
+            "the indexer listens",
+            Duration::from_secs(30),
+            || match child.try_wait() {
+                Ok(Some(st)) => panic!(
+                    "the indexer exited ({st}):\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                ),
+                _ => match common::listening_ports(pid).as_slice() {
+                    [p] => Ok(*p),
+                    other => Err(other.to_vec()),
+                },
+            },
+        );
         let ix = Indexer { child, port };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while ix.try_http("GET", "/workers", "").is_none() {
-            assert!(
-                Instant::now() < deadline,
-                "the indexer never answered on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        common::eventually("the indexer answers", Duration::from_secs(30), || {
+            ix.try_http("GET", "/workers", "").ok_or(port)
+        });
         ix
     }
 
@@ -1057,6 +1050,7 @@ fn settle(
             Instant::now() < deadline,
             "the indexer never applied the marker: {v}"
         );
+        // The poll interval of a wait that publishes the marker again each time.
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -1073,13 +1067,11 @@ fn dynamo_indexer_scores_right_through_kvbridge_and_wrong_from_the_engine() {
     let ring = dir.path().join("ring");
     let engine = Engine::start(0);
     engine.with(|p| p.set_buffer_steps(200));
-    let (p, r) = (free_port(), free_port());
     let mut args = base_args(&[&engine]);
     args.extend(["--ring-size", "1MiB", "--snapshot-chunk-size", "16KiB"].map(String::from));
-    args.extend(publish_args(
-        &format!("tcp://127.0.0.1:{p}"),
-        &format!("tcp://127.0.0.1:{r}"),
-    ));
+    // Port 0: the ready file says where; the restart below comes back on the same endpoints,
+    // which the indexer has registered.
+    args.extend(publish_args("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"));
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &ring, &args);
     let (pub_ep, replay_ep) = endpoints(&bridge, 1).remove(0);
     let ix = Indexer::start(dir.path());
@@ -1158,6 +1150,11 @@ fn dynamo_indexer_scores_right_through_kvbridge_and_wrong_from_the_engine() {
 
     // 3. kvbridge restarts under the registered indexer: its instances carry on.
     let bridge = bridge.restart(dir.path());
+    assert_eq!(
+        endpoints(&bridge, 1),
+        [(pub_ep.clone(), replay_ep.clone())],
+        "the same endpoints"
+    );
     settle(&ix, &engine, &common::store(6, 4, None), &[2, 4]);
     let v = ix.scores(&tl);
     assert_eq!(
@@ -1175,14 +1172,16 @@ fn dynamo_indexer_reads_two_ranks_on_port_plus_rank() {
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let (e0, e1) = (Engine::start(0), Engine::start(1));
-    let (p, r) = (free_port_pair(), free_port_pair());
-    let mut args = base_args(&[&e0, &e1]);
-    args.extend(publish_args(
-        &format!("tcp://127.0.0.1:{p}"),
-        &format!("tcp://127.0.0.1:{r}"),
-    ));
-    args.extend(["--dp-mode", "metadata"].map(String::from));
-    let bridge = Bridge::start(dir.path(), &ring, &args);
+    let (p, r, bridge) = common::retry_on_taken_port(|| {
+        let (p, r) = (free_port_pair(), free_port_pair());
+        let mut args = base_args(&[&e0, &e1]);
+        args.extend(publish_args(
+            &format!("tcp://127.0.0.1:{p}"),
+            &format!("tcp://127.0.0.1:{r}"),
+        ));
+        args.extend(["--dp-mode", "metadata"].map(String::from));
+        Bridge::try_start(dir.path(), &ring, &args).map(|b| (p, r, b))
+    });
     let ix = Indexer::start(dir.path());
     for rank in 0..2u16 {
         ix.register(
@@ -1205,6 +1204,7 @@ fn dynamo_indexer_reads_two_ranks_on_port_plus_rank() {
             break;
         }
         assert!(Instant::now() < deadline, "{vx} {vy}");
+        // The poll interval of a wait that publishes the stores again each time.
         std::thread::sleep(Duration::from_millis(200));
     }
     drop(bridge);

@@ -400,6 +400,7 @@ async fn handle(st: Arc<Stats>, req: Request<Incoming>) -> Response<RespBody> {
             st.slows.fetch_add(1, Ordering::Relaxed);
             let timeout = grpc_timeout(&parts.headers).unwrap_or(Duration::from_secs(30));
             tokio::spawn(async move {
+                // The point of "Slow": an engine that answers only when the deadline has passed.
                 tokio::time::sleep(timeout).await;
                 end(&tx, 4, "test engine: deadline exceeded").await;
             });

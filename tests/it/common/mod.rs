@@ -13,13 +13,62 @@ use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch, SubscribeKvEve
 use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
 use kvbridge_tools::sim::{encode_batch, EnginePublisher, Layout, SimEvent, Workload};
 
-/// A free TCP port on loopback (bound and released).
+/// A TCP port on loopback that was free a moment ago (bound and released): another process
+/// can take it before the caller binds it. Only for a peer that cannot bind port 0 and say
+/// where, or for a set of ports a rule fixes (PORT + rank); the caller starts again on fresh
+/// ports when the start fails on a taken one ([`retry_on_taken_port`]).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Runs `start` (which picks its ports with [`free_port`]) until it does not fail on a taken
+/// port: `Err(reason)` whose reason says the address was in use is tried again, up to 10
+/// times; any other `Err` fails the test.
+pub fn retry_on_taken_port<T>(mut start: impl FnMut() -> Result<T, String>) -> T {
+    let mut last = String::new();
+    for _ in 0..10 {
+        match start() {
+            Ok(v) => return v,
+            Err(e) if e.contains("in use") || e.contains("cannot bind") => last = e,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("10 starts failed on a taken port; the last:\n{last}")
+}
+
+/// The TCP ports process `pid` listens on (its sockets, from /proc): how the harness learns the
+/// port of a peer that binds port 0 but does not say which port it got.
+pub fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address is f[1] (HEXIP:HEXPORT), st f[3] (0A: LISTEN), inode f[9].
+            if f.len() > 9 && f[3] == "0A" && inodes.contains(f[9]) {
+                if let Some(p) = f[1].rsplit(':').next() {
+                    ports.push(u16::from_str_radix(p, 16).unwrap());
+                }
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 /// How often the waits below look again: often enough not to add latency a test would notice,
@@ -162,9 +211,47 @@ pub struct Bridge {
     pub shm: PathBuf,
     pub args: Vec<String>,
     pub stderr_log: PathBuf,
-    /// The metrics address the bridge logged when started on port 0 (kept across a restart);
-    /// `None`: metrics off, or given by the caller.
+    /// The metrics address as bound (from the ready file); `None`: metrics off.
     pub metrics: Option<SocketAddr>,
+    /// `--publish-zmq`: each rank's bound (PUB, replay) endpoints, by rank (from the ready file).
+    pub publish_zmq: Vec<(String, Option<String>)>,
+    /// The `--ready-file` the harness gave it (or the caller did).
+    pub ready_file: PathBuf,
+}
+
+/// What `--ready-file` says.
+struct Ready {
+    grpc: SocketAddr,
+    metrics: Option<SocketAddr>,
+    publish_zmq: Vec<(String, Option<String>)>,
+}
+
+impl Ready {
+    /// The file written by process `pid`, or why not (yet).
+    fn read(path: &Path, pid: u32) -> Result<Ready, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // Written atomically (renamed into place): a file that is there is whole.
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("ready file {text:?}: {e}"));
+        if v["pid"] != pid {
+            return Err(format!("a ready file of another process: {text}"));
+        }
+        let addr = |v: &serde_json::Value| -> Option<SocketAddr> {
+            v.as_str()
+                .map(|a| a.parse().expect("an address in the ready file"))
+        };
+        let text_of = |v: &serde_json::Value| v.as_str().map(str::to_string);
+        Ok(Ready {
+            grpc: addr(&v["grpc"]).expect("grpc in the ready file"),
+            metrics: addr(&v["metrics"]),
+            publish_zmq: v["publish_zmq"]
+                .as_array()
+                .expect("publish_zmq in the ready file")
+                .iter()
+                .map(|r| (text_of(&r["publish"]).unwrap(), text_of(&r["replay"])))
+                .collect(),
+        })
+    }
 }
 
 /// `serve --grpc GRPC --shm SHM --metrics METRICS EXTRA…`.
@@ -209,12 +296,39 @@ impl Bridge {
         args: Vec<String>,
         nofile: Option<u64>,
     ) -> Bridge {
+        Self::try_start_limited(dir, grpc, shm, args, nofile).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`Bridge::start`], but a bridge that exits during start-up (say, on a port taken
+    /// meanwhile) is `Err` with its log, for the caller to handle.
+    pub fn try_start(dir: &Path, shm: &Path, extra: &[String]) -> Result<Bridge, String> {
+        let grpc: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        Self::try_start_limited(dir, grpc, shm, serve_args(grpc, shm, "off", extra), None)
+    }
+
+    fn try_start_limited(
+        dir: &Path,
+        grpc: SocketAddr,
+        shm: &Path,
+        mut args: Vec<String>,
+        nofile: Option<u64>,
+    ) -> Result<Bridge, String> {
         use std::os::unix::process::CommandExt;
-        // Port 0: the bridge binds, and its log says where (`grpc_addr=`); a counter keeps such
-        // bridges' logs apart.
+        // Port 0: the bridge binds, and its ready file says where; a counter keeps such bridges'
+        // logs and ready files apart.
         static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let stderr_log = dir.join(format!("bridge-{}-{n}.log", grpc.port()));
+        let ready_file = match args.iter().position(|a| a == "--ready-file") {
+            Some(i) => PathBuf::from(&args[i + 1]),
+            None => {
+                let path = dir.join(format!("ready-{n}.json"));
+                args.extend(["--ready-file".to_string(), path.display().to_string()]);
+                path
+            }
+        };
+        // A SIGKILLed predecessor's file must not pass for this start's (the pid tells too).
+        let _ = std::fs::remove_file(&ready_file);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -249,93 +363,86 @@ impl Bridge {
             args,
             stderr_log,
             metrics: None,
+            publish_zmq: Vec::new(),
+            ready_file,
         };
-        b.wait_ready();
-        b
+        b.wait_ready()?;
+        Ok(b)
     }
 
-    /// Waits until gRPC accepts connections. A bridge started on port 0 first says in its log
-    /// where it bound; that address replaces port 0 here and in `args`, so that a restart comes
-    /// back on the same address (as a real bridge behind a fixed worker URL does).
-    fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        // The listener is bound early (an occupied port is a start-up error), so a TCP connect
-        // can succeed while start-up (ring recovery, its warnings) is still running: wait for
-        // the line the bridge logs once it serves, on every start, not only on port 0.
-        while Instant::now() < deadline {
-            let log = self.log();
-            if let Some(line) = log
-                .lines()
-                .find(|l| l.contains("serving SubscribeKvEvents"))
-            {
-                if self.grpc.port() != 0 {
-                    break;
-                }
-                let field = |name: &str| {
-                    line.split_whitespace()
-                        .find_map(|w| w.strip_prefix(name))
-                        .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-                };
-                self.grpc = field("grpc_addr=").parse().expect("grpc_addr= in the log");
-                self.metrics = field("metrics=")
-                    .strip_prefix("http://")
-                    .and_then(|m| m.strip_suffix("/metrics"))
-                    .map(|m| m.parse().expect("metrics= in the log"));
-                if let Some(i) = self.args.iter().position(|a| a == "--grpc") {
-                    self.args[i + 1] = self.grpc.to_string();
-                }
-                if let (Some(m), Some(i)) = (
-                    self.metrics,
-                    self.args.iter().position(|a| a == "--metrics"),
-                ) {
-                    self.args[i + 1] = m.to_string();
-                }
-                break;
+    /// Waits for the bridge's ready file: it is written once every listener is bound and
+    /// start-up (ring recovery and its warnings included) is done, with the addresses as bound.
+    /// Those replace port 0 in `args`, so that a restart comes back on the same addresses (as a
+    /// real bridge behind a fixed worker URL does); `--publish-zmq` and `--publish-zmq-replay`
+    /// too when there is one rank (with several on port 0, each rank's port is its own).
+    fn wait_ready(&mut self) -> Result<(), String> {
+        let pid = self.child.id();
+        let (child, file, log) = (&mut self.child, &self.ready_file, &self.stderr_log);
+        let ready = eventually("kvbridge is ready", Duration::from_secs(60), || {
+            let log = || std::fs::read_to_string(log).unwrap_or_default();
+            if let Ok(Some(st)) = child.try_wait() {
+                return Ok(Err(format!("kvbridge exited with {st:?}; log:\n{}", log())));
             }
-            if let Ok(Some(st)) = self.child.try_wait() {
-                panic!("kvbridge exited with {st:?}; log:\n{log}");
+            Ready::read(file, pid)
+                .map(Ok)
+                .map_err(|e| format!("{e}; log so far:\n{}", log()))
+        })?;
+        self.grpc = ready.grpc;
+        self.metrics = ready.metrics;
+        let mut set = |flag: &str, value: String| {
+            if let Some(i) = self.args.iter().position(|a| a == flag) {
+                self.args[i + 1] = value;
             }
-            std::thread::sleep(Duration::from_millis(20));
+        };
+        set("--grpc", ready.grpc.to_string());
+        if let Some(m) = ready.metrics {
+            set("--metrics", m.to_string());
         }
-        while Instant::now() < deadline {
-            if std::net::TcpStream::connect(self.grpc).is_ok() {
-                return;
+        if let [(publish, replay)] = ready.publish_zmq.as_slice() {
+            set("--publish-zmq", publish.clone());
+            if let Some(r) = replay {
+                set("--publish-zmq-replay", r.clone());
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("kvbridge did not start; log:\n{}", self.log());
+        self.publish_zmq = ready.publish_zmq;
+        Ok(())
     }
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
     }
 
-    /// SIGTERM, then wait for a clean exit.
+    /// SIGTERM, then wait for the exit (and check that the ready file went with it).
     pub fn stop(mut self) -> std::process::ExitStatus {
         // SAFETY: kill(2) on our own child's pid; it has not been waited for, so the pid is ours.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
+        let st = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
+                break s;
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
                 panic!("kvbridge did not stop on SIGTERM; log:\n{}", self.log());
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(POLL);
+        };
+        if st.success() {
+            assert!(
+                !self.ready_file.exists(),
+                "a clean exit left the ready file {}",
+                self.ready_file.display()
+            );
         }
+        st
     }
 
-    /// Restarts with the same arguments (same port, same ring).
+    /// Restarts with the same arguments (same addresses, same ring, same ready file).
     pub fn restart(self, dir: &Path) -> Bridge {
-        let (grpc, shm, args, metrics) =
-            (self.grpc, self.shm.clone(), self.args.clone(), self.metrics);
+        let (grpc, shm, args) = (self.grpc, self.shm.clone(), self.args.clone());
         let st = self.stop();
         assert!(st.success(), "kvbridge exited with {st:?}");
-        let mut b = Self::start_args(dir, grpc, &shm, args);
-        b.metrics = metrics;
-        b
+        Self::start_args(dir, grpc, &shm, args)
     }
 
     pub fn url(&self) -> String {
@@ -518,11 +625,11 @@ impl Bridge {
         extra: &[String],
         nofile: Option<u64>,
     ) -> (Bridge, SocketAddr) {
-        // Both on port 0; the bound addresses come from the bridge's log.
+        // Both on port 0; the bound addresses come from the bridge's ready file.
         let grpc: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let args = serve_args(grpc, shm, "127.0.0.1:0", extra);
         let b = Self::start_limited(dir, grpc, shm, args, nofile);
-        let metrics = b.metrics.expect("metrics address in the log");
+        let metrics = b.metrics.expect("metrics address in the ready file");
         (b, metrics)
     }
 
