@@ -205,8 +205,14 @@ impl RankState {
     /// Whether live batch `s` is the late live copy of a batch a replay applied already (see
     /// `replayed_ahead`). Forgets the replayed batches whose copies can no longer come: the live
     /// stream of one connection is in seq order, so once it shows `s`, copies of earlier seqs
-    /// were lost, and once it passes the newest replayed seq, none is pending.
+    /// were lost, and once it passes the newest replayed seq, none is pending. A publisher that
+    /// reconnected since is a new connection: what it sends is never a late copy of the old
+    /// one's (a restarted engine can send the same bytes at the same seqs), so the list goes.
     fn late_live_copy(&mut self, s: u64, payload: &[u8]) -> bool {
+        if self.reconnected {
+            self.replayed_ahead.clear();
+            return false;
+        }
         while self.replayed_ahead.front().is_some_and(|&(r, _)| r < s) {
             self.replayed_ahead.pop_front();
         }
@@ -588,6 +594,35 @@ mod tests {
         assert_eq!(eng.requests, [0], "one replay");
         assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
         assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 4);
+    }
+
+    #[test]
+    fn the_same_bytes_at_a_replayed_seq_after_a_reconnect_are_a_restart() {
+        // The replay applied 0..=4 and the live copies of 2..=4 never came (the gap it filled);
+        // the engine restarts and its new incarnation sends the same bytes from 0 again.
+        let (mut st, m) = state_with_metrics();
+        let mut sink = Rec::default();
+        let mut eng = Engine::new(&[0, 1, 2, 3, 4], ReplayEnd::Complete);
+        st.on_live(1, b"r", &mut sink, Some(&mut eng));
+        st.on_reconnect();
+        st.on_live(0, b"r", &mut sink, None);
+        st.on_live(1, b"r", &mut sink, None);
+        assert_eq!(
+            sink.0,
+            [
+                "0:r",
+                "1:r",
+                "2:r",
+                "3:r",
+                "4:r",
+                "clear:engine_restart",
+                "0:r",
+                "1:r"
+            ]
+        );
+        assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
+        // Only the live 1 the replay overtook while it filled the gap.
+        assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 1);
     }
 
     #[test]
