@@ -191,6 +191,20 @@ impl Drop for OwnBridge {
     }
 }
 
+/// The bridge a bench measures: its gRPC address, ring, pid, the engine's publisher, and the
+/// process when the bench started it.
+struct Target {
+    grpc: String,
+    shm: PathBuf,
+    pid: Option<u32>,
+    engine: crate::sim::EnginePublisher,
+    own: Option<OwnBridge>,
+    /// The sink's metrics address, when the bench started a bridge with `--nats`.
+    nats_metrics: Option<std::net::SocketAddr>,
+    /// (kvbridge's --publish-zmq endpoint, the bench engine's PUB) with --zmq-subscribers.
+    zmq_pub: Option<(String, String)>,
+}
+
 pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     if a.rate == 0 || a.duration == 0 {
         return Err(CliError::Setup("--rate and --duration must be > 0".into()));
@@ -204,150 +218,23 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     }
     let rt = kvbridge::cli::runtime()?;
     let ctx = zmq::Context::new();
-    let mut nats_metrics: Option<std::net::SocketAddr> = None;
-    // (kvbridge's --publish-zmq endpoint, the bench engine's PUB) with --zmq-subscribers.
-    let mut zmq_pub: Option<(String, String)> = None;
-    let (grpc, shm, pid, engine, own) = match &a.grpc {
-        Some(g) => {
-            let ep = a
-                .engine_bind
-                .clone()
-                .expect("clap requires --engine-bind with --grpc");
-            let (p, _, _) =
-                Publisher::bind(&ctx, &ep, "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
-            if a.shm_readers > 0 && a.shm.is_none() {
-                return Err(CliError::Setup(
-                    "--shm-readers needs --shm PATH of the running bridge".into(),
-                ));
-            }
-            (
-                g.clone(),
-                a.shm.clone().unwrap_or_default(),
-                a.serve_pid,
-                p,
-                None,
-            )
-        }
-        None => {
-            let (p, ep, rep) = Publisher::bind(&ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
-                .map_err(CliError::Setup)?;
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map_err(|e| CliError::Setup(e.to_string()))?
-                .port();
-            let grpc = format!("127.0.0.1:{port}");
-            let dir = if std::path::Path::new("/dev/shm").is_dir() {
-                PathBuf::from("/dev/shm")
-            } else {
-                std::env::temp_dir()
-            };
-            let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
-            let _ = kvbridge::snapshot::remove_ring(&shm);
-            let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
-            let mut zmq_args: Vec<String> = Vec::new();
-            if a.zmq_subscribers > 0 {
-                let zp = std::net::TcpListener::bind("127.0.0.1:0")
-                    .and_then(|l| l.local_addr())
-                    .map_err(|e| CliError::Setup(e.to_string()))?
-                    .port();
-                zmq_args = vec!["--publish-zmq".into(), format!("tcp://127.0.0.1:{zp}")];
-                zmq_pub = Some((format!("tcp://127.0.0.1:{zp}"), ep.clone()));
-            }
-            let mut sink_args: Vec<String> = Vec::new();
-            let mut sink_metrics = None;
-            if let Some(urls) = a.nats.as_ref().filter(|_| !a.nats_floor) {
-                let m = std::net::TcpListener::bind("127.0.0.1:0")
-                    .and_then(|l| l.local_addr())
-                    .map_err(|e| CliError::Setup(e.to_string()))?;
-                sink_metrics = Some(m);
-                sink_args = [
-                    "--nats",
-                    urls,
-                    "--nats-stream",
-                    &bench::nats::bench_stream(a.nats_replicas),
-                    "--nats-subject-prefix",
-                    &bench::nats::bench_prefix(a.nats_replicas),
-                    "--nats-max-age",
-                    "10m",
-                    "--nats-worker-id",
-                    &format!("bench-{}", std::process::id()),
-                    "--nats-replicas",
-                    &a.nats_replicas.to_string(),
-                    // The bench measures the sink: no NATS, no bench (one clear line).
-                    "--nats-required",
-                    "--metrics",
-                    &m.to_string(),
-                ]
-                .map(str::to_string)
-                .to_vec();
-            }
-            let child = Command::new(exe)
-                .args([
-                    "serve",
-                    "--zmq",
-                    &ep,
-                    "--replay",
-                    &rep,
-                    "--grpc",
-                    &grpc,
-                    "--seq-base",
-                    "1",
-                ])
-                .args(if sink_args.is_empty() {
-                    vec!["--metrics".to_string(), "off".to_string()]
-                } else {
-                    sink_args
-                })
-                .arg("--shm")
-                .arg(&shm)
-                .args(["--ring-size", &a.ring_size])
-                .args(&zmq_args)
-                .env("RUST_LOG", "error")
-                .stdout(Stdio::null())
-                .spawn()
-                .map_err(|e| CliError::Setup(format!("cannot start kvbridge serve: {e}")))?;
-            let pid = child.id();
-            nats_metrics = sink_metrics;
-            let own = OwnBridge {
-                child,
-                shm: shm.clone(),
-            };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while std::net::TcpStream::connect(&grpc).is_err() {
-                if Instant::now() > deadline {
-                    return Err(CliError::Failed(
-                        "the bridge did not start within 20 s".into(),
-                    ));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            (grpc, shm, Some(pid), p, Some(own))
-        }
+    let target = match &a.grpc {
+        Some(g) => running_bridge(&a, &ctx, g)?,
+        None => start_bridge(&a, &ctx)?,
     };
     // The floor publisher sets itself up while the bridge's SUB connects.
-    let floor = match (&a.nats, a.nats_floor) {
-        (Some(urls), true) => {
-            let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
-            let mix = clap::ValueEnum::to_possible_value(&a.mix)
-                .map(|v| v.get_name().to_string())
-                .unwrap_or_else(|| "serving".into());
-            let child = Command::new(exe)
-                .arg("bench-nats-floor")
-                .args(["--nats", urls, "--mix", &mix])
-                .args(["--rate", &a.rate.to_string()])
-                .args(["--duration", &a.duration.to_string()])
-                .args(["--warmup", &a.warmup.to_string()])
-                .args(["--replicas", &a.nats_replicas.to_string()])
-                .env("RUST_LOG", "error")
-                .stdout(Stdio::piped())
-                .spawn()
-                .map_err(|e| CliError::Setup(format!("cannot start the floor publisher: {e}")))?;
-            Some(child)
-        }
-        _ => None,
-    };
+    let floor = start_nats_floor(&a)?;
     // Give the bridge's SUB time to connect before the clock starts.
     std::thread::sleep(Duration::from_millis(300));
+    let Target {
+        grpc,
+        shm,
+        pid,
+        engine,
+        own,
+        nats_metrics,
+        zmq_pub,
+    } = target;
     let cfg = BenchConfig {
         rate: a.rate,
         duration: Duration::from_secs(a.duration),
@@ -364,25 +251,14 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     };
     let measure_from = Instant::now() + cfg.warmup;
     let zmq_readers = match zmq_pub.as_ref().filter(|_| a.zmq_alternate.is_none()) {
-        Some((bridge_pub, engine_pub)) => {
-            let measuring = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let r = bench::zmq_column::ZmqReaders::start(
-                &ctx,
-                a.zmq_subscribers,
-                bridge_pub,
-                Some(engine_pub),
-                measuring.clone(),
-            )
-            .map_err(CliError::Setup)?;
-            let duration = cfg.duration;
-            std::thread::spawn(move || {
-                std::thread::sleep(measure_from.saturating_duration_since(Instant::now()));
-                measuring.store(true, std::sync::atomic::Ordering::SeqCst);
-                std::thread::sleep(duration);
-                measuring.store(false, std::sync::atomic::Ordering::SeqCst);
-            });
-            Some(r)
-        }
+        Some((bridge_pub, engine_pub)) => Some(zmq_column(
+            &ctx,
+            a.zmq_subscribers,
+            bridge_pub,
+            engine_pub,
+            measure_from,
+            cfg.duration,
+        )?),
         None => None,
     };
     let publisher = Publisher::start(engine, cfg.rate, cfg.mix, measure_from);
@@ -402,30 +278,13 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
             "{}",
             bench::zmq_column::alternation_table(&result.zmq_alternation)
         );
-        if let Some(path) = &a.json {
-            let text = serde_json::to_string_pretty(&result).expect("serializable");
-            std::fs::write(path, text)
-                .map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
-        }
-        return Ok(());
+        return write_json(a.json.as_deref(), &result);
     }
     let progress = a.duration > 3 && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    // The sink's counters at the start of the measured window, read beside the run.
-    let sink_before = nats_metrics.map(|m| {
-        let warmup = cfg.warmup;
-        std::thread::spawn(move || {
-            std::thread::sleep(warmup);
-            crate::bench::nats::scrape(m)
-        })
-    });
+    // The sink's counters at the start of the measured window, read beside the run ...
+    let sink_before = nats_metrics.map(|m| scrape_at(m, measure_from));
     // ... and at its end (not after `measure` returns, which drains for a while longer).
-    let sink_after = nats_metrics.map(|m| {
-        let end = measure_from + cfg.duration;
-        std::thread::spawn(move || {
-            std::thread::sleep(end.saturating_duration_since(Instant::now()));
-            crate::bench::nats::scrape(m)
-        })
-    });
+    let sink_after = nats_metrics.map(|m| scrape_at(m, measure_from + cfg.duration));
     let result = rt.block_on(bench::measure(&cfg, &publisher, progress));
     publisher.stop();
     let mut result = result.map_err(CliError::Failed)?;
@@ -468,36 +327,261 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     if a.floor {
         // The bridge this bench started is stopped first: the floor runs alone.
         drop(own);
-        // A gRPC frame on the wire: the record, its 5-byte gRPC prefix and the 9-byte HTTP/2
-        // DATA frame header; a connection carries one per subscriber on it per batch.
-        let per_conn = cfg.subscribers.div_ceil(cfg.connections).max(1);
-        let record = (result.delivered_mb * 1e6 / result.grpc.delivered.max(1) as f64).round();
-        for sender in [
-            bench::floor::FloorSender::Blocking,
-            bench::floor::FloorSender::Tokio,
-        ] {
-            let f = bench::floor::FloorConfig {
-                rate: cfg.rate,
-                duration: cfg.duration,
-                warmup: cfg.warmup,
-                connections: cfg.connections,
-                message_bytes: per_conn * (record as usize + 14),
-                batches_per_message: per_conn,
-                sender,
-                count_syscalls: cfg.count_syscalls,
-            };
-            let r = rt
-                .block_on(bench::floor::measure(&f))
-                .map_err(CliError::Failed)?;
-            print!(
-                "{}",
-                bench::floor::table(&r, result.cpu_us_per_delivered_batch)
-            );
-            result.floor.push(r);
-        }
+        grpc_floor(&rt, &cfg, &mut result)?;
     }
-    if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&result).expect("serializable");
+    write_json(a.json.as_deref(), &result)
+}
+
+/// `--grpc`: a bridge that is already running, fed by an engine publisher bound at
+/// `--engine-bind`.
+fn running_bridge(a: &BenchArgs, ctx: &zmq::Context, grpc: &str) -> Result<Target, CliError> {
+    let ep = a
+        .engine_bind
+        .clone()
+        .expect("clap requires --engine-bind with --grpc");
+    let (engine, _, _) = Publisher::bind(ctx, &ep, "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
+    if a.shm_readers > 0 && a.shm.is_none() {
+        return Err(CliError::Setup(
+            "--shm-readers needs --shm PATH of the running bridge".into(),
+        ));
+    }
+    Ok(Target {
+        grpc: grpc.to_string(),
+        shm: a.shm.clone().unwrap_or_default(),
+        pid: a.serve_pid,
+        engine,
+        own: None,
+        nats_metrics: None,
+        zmq_pub: None,
+    })
+}
+
+/// Starts `kvbridge serve` (this executable) on the bench's engine: gRPC, metrics and
+/// `--publish-zmq` on ports it binds itself, read back from its `--ready-file` once it serves.
+fn start_bridge(a: &BenchArgs, ctx: &zmq::Context) -> Result<Target, CliError> {
+    let (engine, ep, rep) =
+        Publisher::bind(ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*").map_err(CliError::Setup)?;
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
+    let _ = kvbridge::snapshot::remove_ring(&shm);
+    let ready = std::env::temp_dir().join(format!("kvbridge-bench-{}.ready", std::process::id()));
+    let _ = std::fs::remove_file(&ready);
+    let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
+    let mut args: Vec<String> = [
+        "serve",
+        "--zmq",
+        &ep,
+        "--replay",
+        &rep,
+        "--grpc",
+        "127.0.0.1:0",
+        "--seq-base",
+        "1",
+        "--ring-size",
+        &a.ring_size,
+    ]
+    .map(str::to_string)
+    .to_vec();
+    args.extend(["--shm".into(), shm.display().to_string()]);
+    args.extend(["--ready-file".into(), ready.display().to_string()]);
+    if a.zmq_subscribers > 0 {
+        args.extend(["--publish-zmq".into(), "tcp://127.0.0.1:0".into()]);
+    }
+    let with_sink = a.nats.as_ref().filter(|_| !a.nats_floor);
+    match with_sink {
+        Some(urls) => args.extend(
+            [
+                "--nats",
+                urls,
+                "--nats-stream",
+                &bench::nats::bench_stream(a.nats_replicas),
+                "--nats-subject-prefix",
+                &bench::nats::bench_prefix(a.nats_replicas),
+                "--nats-max-age",
+                "10m",
+                "--nats-worker-id",
+                &format!("bench-{}", std::process::id()),
+                "--nats-replicas",
+                &a.nats_replicas.to_string(),
+                // The bench measures the sink: no NATS, no bench (one clear line).
+                "--nats-required",
+                "--metrics",
+                "127.0.0.1:0",
+            ]
+            .map(str::to_string),
+        ),
+        None => args.extend(["--metrics".into(), "off".into()]),
+    }
+    let child = Command::new(exe)
+        .args(&args)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| CliError::Setup(format!("cannot start kvbridge serve: {e}")))?;
+    let pid = child.id();
+    let mut own = OwnBridge {
+        child,
+        shm: shm.clone(),
+    };
+    let bound = wait_ready(&mut own.child, &ready, Duration::from_secs(20))?;
+    let _ = std::fs::remove_file(&ready);
+    let addr = |key: &str| bound[key].as_str().map(str::to_string);
+    let grpc = addr("grpc").ok_or_else(|| CliError::Failed("no grpc in the ready file".into()))?;
+    let nats_metrics = match with_sink {
+        Some(_) => Some(
+            addr("metrics")
+                .and_then(|m| m.parse().ok())
+                .ok_or_else(|| CliError::Failed("no metrics in the ready file".into()))?,
+        ),
+        None => None,
+    };
+    let zmq_pub = bound["publish_zmq"][0]["publish"]
+        .as_str()
+        .map(|p| (p.to_string(), ep.clone()));
+    Ok(Target {
+        grpc,
+        shm,
+        pid: Some(pid),
+        engine,
+        own: Some(own),
+        nats_metrics,
+        zmq_pub,
+    })
+}
+
+/// Waits for a bridge's `--ready-file` and returns its contents; fails if the bridge exits
+/// first or does not get ready in `patience`.
+fn wait_ready(
+    child: &mut Child,
+    ready: &std::path::Path,
+    patience: Duration,
+) -> Result<serde_json::Value, CliError> {
+    let deadline = Instant::now() + patience;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(ready) {
+            return serde_json::from_str(&text)
+                .map_err(|e| CliError::Failed(format!("the bridge's ready file: {e}")));
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            return Err(CliError::Failed(format!("the bridge exited ({st})")));
+        }
+        if Instant::now() > deadline {
+            return Err(CliError::Failed(format!(
+                "the bridge did not start within {} s",
+                patience.as_secs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `--nats-floor`: the bare JetStream publisher (`kvbridge bench-nats-floor`) as a child.
+fn start_nats_floor(a: &BenchArgs) -> Result<Option<Child>, CliError> {
+    let (Some(urls), true) = (&a.nats, a.nats_floor) else {
+        return Ok(None);
+    };
+    let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;
+    let mix = clap::ValueEnum::to_possible_value(&a.mix)
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_else(|| "serving".into());
+    let child = Command::new(exe)
+        .arg("bench-nats-floor")
+        .args(["--nats", urls, "--mix", &mix])
+        .args(["--rate", &a.rate.to_string()])
+        .args(["--duration", &a.duration.to_string()])
+        .args(["--warmup", &a.warmup.to_string()])
+        .args(["--replicas", &a.nats_replicas.to_string()])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| CliError::Setup(format!("cannot start the floor publisher: {e}")))?;
+    Ok(Some(child))
+}
+
+/// `--zmq-subscribers N`: N SUBs on the bridge's `--publish-zmq` and N on the engine's own PUB
+/// through a bare relay (the floor), counting only the measured window.
+fn zmq_column(
+    ctx: &zmq::Context,
+    n: usize,
+    bridge_pub: &str,
+    engine_pub: &str,
+    measure_from: Instant,
+    duration: Duration,
+) -> Result<bench::zmq_column::ZmqReaders, CliError> {
+    let measuring = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = bench::zmq_column::ZmqReaders::start(
+        ctx,
+        n,
+        bridge_pub,
+        Some(engine_pub),
+        measuring.clone(),
+    )
+    .map_err(CliError::Setup)?;
+    std::thread::spawn(move || {
+        std::thread::sleep(measure_from.saturating_duration_since(Instant::now()));
+        measuring.store(true, std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(duration);
+        measuring.store(false, std::sync::atomic::Ordering::SeqCst);
+    });
+    Ok(r)
+}
+
+/// Scrapes the sink's metrics at `at`, on a thread of its own.
+fn scrape_at(
+    m: std::net::SocketAddr,
+    at: Instant,
+) -> std::thread::JoinHandle<Result<crate::bench::nats::SinkSample, String>> {
+    std::thread::spawn(move || {
+        std::thread::sleep(at.saturating_duration_since(Instant::now()));
+        crate::bench::nats::scrape(m)
+    })
+}
+
+/// `--floor`: the same deliveries as bare loopback TCP writes (blocking and tokio senders), one
+/// message per connection per batch, after the bridge stopped.
+fn grpc_floor(
+    rt: &tokio::runtime::Runtime,
+    cfg: &BenchConfig,
+    result: &mut bench::BenchResult,
+) -> Result<(), CliError> {
+    // A gRPC frame on the wire: the record, its 5-byte gRPC prefix and the 9-byte HTTP/2 DATA
+    // frame header; a connection carries one per subscriber on it per batch.
+    let per_conn = cfg.subscribers.div_ceil(cfg.connections).max(1);
+    let record = (result.delivered_mb * 1e6 / result.grpc.delivered.max(1) as f64).round();
+    for sender in [
+        bench::floor::FloorSender::Blocking,
+        bench::floor::FloorSender::Tokio,
+    ] {
+        let f = bench::floor::FloorConfig {
+            rate: cfg.rate,
+            duration: cfg.duration,
+            warmup: cfg.warmup,
+            connections: cfg.connections,
+            message_bytes: per_conn * (record as usize + 14),
+            batches_per_message: per_conn,
+            sender,
+            count_syscalls: cfg.count_syscalls,
+        };
+        let r = rt
+            .block_on(bench::floor::measure(&f))
+            .map_err(CliError::Failed)?;
+        print!(
+            "{}",
+            bench::floor::table(&r, result.cpu_us_per_delivered_batch)
+        );
+        result.floor.push(r);
+    }
+    Ok(())
+}
+
+/// `--json PATH`: the whole result, for the docs' data files.
+fn write_json(path: Option<&std::path::Path>, result: &bench::BenchResult) -> Result<(), CliError> {
+    if let Some(path) = path {
+        let text = serde_json::to_string_pretty(result).expect("serializable");
         std::fs::write(path, text)
             .map_err(|e| CliError::Failed(format!("--json {}: {e}", path.display())))?;
     }
