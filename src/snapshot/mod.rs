@@ -18,7 +18,7 @@
 //! **Copies do not hold ingest.** While an image is copied (for a snapshot or a checkpoint:
 //! 131 ms at 1,000,000 blocks), what ingest publishes is recorded aside (`pending.rs`: a copy of
 //! each new block's bytes) instead of being applied, and applied right after the copy, a few
-//! sources per acquisition of the lock while ingest goes on recording ([`DRAIN_SLICE`]). Ingest
+//! sources per acquisition of the lock while ingest goes on recording (`DRAIN_SLICE`). Ingest
 //! waits at most for one such slice. Lock order everywhere: pending, then table.
 //!
 //! **Restart.** A checkpoint thread writes the image to `<ring>.snapshot` before the ring laps
