@@ -8,7 +8,11 @@
 //! sends the whole block table (snapshot chunks, then the ring's tail) and the DEALER reads it
 //! to the end marker while ingest goes on; the window lasts as long as that replay. The next
 //! window publishes as many batches with no replay. Per window: the longest and p99.9
-//! `RingHub::publish` (ingest), and the latency from just before the publish to the SUB's
+//! `RingHub::publish` (ingest); of the longest, how long the ingest thread was runnable but
+//! waiting for a CPU (`/proc/thread-self/schedstat`, read around each publish) and the steal
+//! the hypervisor took from the machine's CPUs meanwhile (`/proc/stat`); how many
+//! publishes slept (a voluntary context switch: blocked on a lock, a page read in) and the
+//! longest of them; the latency from just before the publish to the SUB's
 //! receipt of that batch (each batch's `ts` is its publish time) — commit → subscriber.
 //!
 //! `cargo bench --bench zmq_replay` (`-- --rounds N`, default 2; `-- --json FILE` also writes
@@ -65,21 +69,69 @@ struct Window {
     publishes: usize,
     longest_us: f64,
     p999_us: f64,
+    /// Of the longest publish: waiting for a CPU (µs); publishes that slept, and the longest
+    /// of them (µs).
+    longest_runnable_us: f64,
+    longest_steal_us: f64,
+    slept: usize,
+    longest_slept_us: f64,
     sub: Histogram<u64>,
     replay_s: f64,
     replay_msgs: u64,
     replay_mb: f64,
 }
 
+/// This thread's time spent runnable but waiting for a CPU (ns, `/proc/thread-self/schedstat`)
+/// and its voluntary context switches (`/proc/thread-self/status`: each is a sleep — a lock
+/// waited for, a page read in); zeros where they are missing.
+fn sched() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let waited = stat
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
+    let slept = status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    (waited, slept)
+}
+
+/// Time the hypervisor ran something else on this machine's CPUs (steal, summed over them,
+/// µs: `/proc/stat`, in clock ticks, so 10,000 µs steps).
+fn steal_us() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: f64 = stat
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().nth(8))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    ticks * 1e6 / 100.0
+}
+
+/// One publish: its time, how much of it the thread was runnable but waiting for a CPU (µs),
+/// and whether it slept (blocked: neither running nor runnable).
+#[derive(Clone, Copy, Default)]
+struct Publish {
+    us: f64,
+    runnable_us: f64,
+    slept: bool,
+    steal_us: f64,
+}
+
 /// Publishes the serving mix (each batch stamped with the time of its publish) until `done` or,
-/// without it, `n` times; returns the publish times (µs).
+/// without it, `n` times; returns the publishes.
 fn ingest(
     dec: &mut Decoder,
     ps: &mut [Vec<u8>],
     hub: &RingHub,
     done: Option<&AtomicBool>,
     n: usize,
-) -> Vec<f64> {
+) -> Vec<Publish> {
     let mut times = Vec::new();
     let mut due = Instant::now();
     for i in 0.. {
@@ -94,10 +146,21 @@ fn ingest(
         let p = &mut ps[i % ps.len()];
         p[2..10].copy_from_slice(&now().to_be_bytes());
         let plan = dec.plan(p).expect("valid batch");
+        let (wait0, slept0) = sched();
+        let steal0 = steal_us();
         let t = Instant::now();
         hub.publish(&dec.planned(&plan, p), None, META)
             .expect("publish");
-        times.push(t.elapsed().as_secs_f64() * 1e6);
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        let (wait1, slept1) = sched();
+        let steal = steal_us() - steal0;
+        times.push(Publish {
+            steal_us: steal,
+            us,
+            // a wait for a CPU while reading the files, outside `us`, is not counted in it
+            runnable_us: ((wait1 - wait0) as f64 / 1e3).min(us),
+            slept: slept1 > slept0,
+        });
         std::thread::sleep(due.saturating_duration_since(Instant::now()));
     }
     times
@@ -252,7 +315,13 @@ fn main() {
             (ingest(&mut dec, &mut ps, &hub, None, last_n), 0.0, 0, 0)
         };
         last_n = times.len();
-        let mut sorted = times.clone();
+        let longest = times
+            .iter()
+            .copied()
+            .max_by(|a, b| a.us.total_cmp(&b.us))
+            .unwrap_or_default();
+        let slept: Vec<f64> = times.iter().filter(|p| p.slept).map(|p| p.us).collect();
+        let mut sorted: Vec<f64> = times.iter().map(|p| p.us).collect();
         sorted.sort_by(f64::total_cmp);
         out.push(Window {
             replay,
@@ -262,6 +331,10 @@ fn main() {
                 .get((sorted.len() * 999 / 1000).min(sorted.len().saturating_sub(1)))
                 .copied()
                 .unwrap_or(0.0),
+            longest_runnable_us: longest.runnable_us,
+            longest_steal_us: longest.steal_us,
+            slept: slept.len(),
+            longest_slept_us: slept.iter().copied().fold(0.0, f64::max),
             sub: Histogram::new(3).expect("placeholder"),
             replay_s,
             replay_msgs,
@@ -282,15 +355,19 @@ fn main() {
         "zmq replay vs ingest: {blocks} blocks in the table; ingest at {} batches/s",
         1_000_000 / PERIOD.as_micros()
     );
-    println!("window  replay   publishes  longest µs  p99.9 µs   SUB p50 µs  p99 µs   max µs   replay s  msgs  MB");
+    println!("window  replay   publishes  longest µs  (runnable  steal)  slept  (longest µs)  p99.9 µs   SUB p50 µs  p99 µs   max µs   replay s  msgs  MB");
     let q = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
     for (i, w) in out.iter().enumerate() {
         println!(
-            "{:<7} {:<8} {:>9} {:>11.0} {:>9.0} {:>11.0} {:>7.0} {:>8.0} {:>10.2} {:>5} {:>5.0}",
+            "{:<7} {:<8} {:>9} {:>11.0} {:>10.0} {:>6.0} {:>6} {:>13.0} {:>9.0} {:>11.0} {:>7.0} {:>8.0} {:>10.2} {:>5} {:>5.0}",
             i + 1,
             if w.replay { "from 0" } else { "none" },
             w.publishes,
             w.longest_us,
+            w.longest_runnable_us,
+            w.longest_steal_us,
+            w.slept,
+            w.longest_slept_us,
             w.p999_us,
             q(&w.sub, 0.5),
             q(&w.sub, 0.99),
@@ -317,6 +394,8 @@ fn main() {
                     ),
                     w.publishes,
                     [w.longest_us, w.p999_us],
+                    [w.longest_runnable_us, w.longest_steal_us],
+                    [w.slept as f64, w.longest_slept_us],
                     [q(&w.sub, 0.5), q(&w.sub, 0.99), w.sub.max() as f64 / 1e3],
                     if w.replay {
                         serde_json::json!([w.replay_s, w.replay_msgs, w.replay_mb])
@@ -340,6 +419,8 @@ fn main() {
                 {"name": "window"},
                 {"name": "publishes", "format": "{:,}"},
                 {"name": "ingest publish longest / p99.9 µs", "format": "{:,.0f} / {:,.0f}"},
+                {"name": "of the longest: waiting for a CPU / machine's steal µs", "format": "{:,.0f} / {:,.0f}"},
+                {"name": "publishes that slept / longest of them µs", "format": "{:,.0f} / {:,.0f}"},
                 {"name": "publish → ZMQ SUB p50 / p99 / max µs", "format": "{:,.0f} / {:,.0f} / {:,.0f}"},
                 {"name": "replay s / messages / MB", "format": "{:.2f} / {:,} / {:,.0f}"},
             ],

@@ -17,8 +17,9 @@
 //!
 //! **Copies do not hold ingest.** While an image is copied (for a snapshot or a checkpoint:
 //! 131 ms at 1,000,000 blocks), what ingest publishes is recorded aside (`pending.rs`: a copy of
-//! each new block's bytes) instead of being applied, and applied right after the copy. Ingest
-//! waits only for that replay. Lock order everywhere: pending, then table.
+//! each new block's bytes) instead of being applied, and applied right after the copy, a few
+//! sources per acquisition of the lock while ingest goes on recording (`DRAIN_SLICE`). Ingest
+//! waits at most for one such slice. Lock order everywhere: pending, then table.
 //!
 //! **Restart.** A checkpoint thread writes the image to `<ring>.snapshot` before the ring laps
 //! the last checkpoint's cut, otherwise at most every `--checkpoint-interval` when the table
@@ -253,6 +254,10 @@ struct Checkpointing {
     lapped: bool,
 }
 
+/// Recorded sources applied per acquisition of the table lock after an image copy (what ingest
+/// can wait for: each is one published source, applied as ingest applies it).
+const DRAIN_SLICE: usize = 8;
+
 /// Least wait before a failed checkpoint write is tried again.
 const RETRY: Duration = Duration::from_secs(1);
 
@@ -416,14 +421,41 @@ impl RingTable {
             (out, t.generation, t.cut)
         };
         during();
-        let mut p = self.pending.lock();
-        let log = std::mem::take(&mut p.log);
-        let mut t = self.table.lock();
-        for s in &log {
-            t.apply_with(s.rank, s.first, s.last, &mut |v| s.replay(v));
-        }
-        p.copying = false;
+        self.drain_pending(DRAIN_SLICE, &mut || {});
         (out, generation, cut)
+    }
+
+    /// Applies what was recorded during a copy, at most `slice` sources per acquisition of the
+    /// table lock, and ends the copy (ingest applies directly again). The pending lock is held
+    /// only to take a slice out of the log, and through the last slice (so that no source is
+    /// recorded after it and none applied before it): ingest waits at most for one slice, not
+    /// for everything published during the copy (350–400 sources, ≈ 1 ms after a 1,000,000-block
+    /// copy at 2,000 batches/s; more with a slower copy). Ingest records while the slices are
+    /// applied, so the log shrinks only as fast as the table applies faster than ingest
+    /// publishes: applying is the work ingest itself does per source, so it does.
+    /// `between` runs after each slice but the last, with no lock held (tests publish there).
+    fn drain_pending(&self, slice: usize, between: &mut dyn FnMut()) {
+        let slice = slice.max(1);
+        loop {
+            let mut p = self.pending.lock();
+            if p.log.len() <= slice {
+                let log = std::mem::take(&mut p.log);
+                let mut t = self.table.lock();
+                for s in &log {
+                    t.apply_with(s.rank, s.first, s.last, &mut |v| s.replay(v));
+                }
+                p.copying = false;
+                return;
+            }
+            let part: Vec<pending::Logged> = p.log.drain(..slice).collect();
+            drop(p);
+            let mut t = self.table.lock();
+            for s in &part {
+                t.apply_with(s.rank, s.first, s.last, &mut |v| s.replay(v));
+            }
+            drop(t);
+            between();
+        }
     }
 
     /// Builds a snapshot at the current cut; `None` when the cut is below the chunk count.
@@ -767,5 +799,87 @@ mod tests {
         assert!(now.3.len() > 100, "a real state ({} blocks)", now.3.len());
         assert_eq!(now, after, "recorded sources applied after the copy");
         assert!(rt.pending.lock().log.is_empty());
+    }
+
+    /// What was recorded during a copy is applied in slices while ingest goes on publishing
+    /// (and recording) between them: the table ends exactly as if every source had been
+    /// applied directly, in order, and ingest applies directly again afterwards.
+    #[test]
+    fn recorded_sources_applied_in_slices_while_ingest_publishes_equal_direct_application() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = Metrics::new();
+        let opts = WriterOptions {
+            capacity: 16 << 20,
+            seq_base: Some(1),
+            group_read: false,
+        };
+        let path = dir.path().join("ring");
+        let (hub, _) = RingHub::open("merged", &path, &opts, &metrics).unwrap();
+        let rt = RingTable::attach(
+            &hub,
+            &path,
+            false,
+            None,
+            &SnapshotConfig::default(),
+            SnapshotMetrics::new(&metrics),
+        );
+        let mut w = Workload::new(9);
+        let payloads: Vec<Vec<u8>> = (0..900)
+            .map(|n| encode_batch(Layout::Vllm0102, 1.7e9, &w.next_batch(), n))
+            .collect();
+        let dec = std::cell::RefCell::new(Decoder::new(DecodeConfig::default()));
+        let reference = std::cell::RefCell::new(Table::new(usize::MAX, 1));
+        let publish = |p: &[u8]| {
+            let mut dec = dec.borrow_mut();
+            let plan = dec.plan(p).expect("valid");
+            let meta = RecordMeta {
+                dp_rank: 0,
+                upstream_seq: 1,
+                flags: 0,
+                ingest_ns: 1,
+            };
+            let out = hub.publish(&dec.planned(&plan, p), None, meta).unwrap();
+            reference
+                .borrow_mut()
+                .apply(&dec.planned(&plan, p), &[], 0, out.last_seq);
+        };
+        for p in &payloads[..300] {
+            publish(p);
+        }
+        // a copy in progress: what is published now is recorded
+        rt.pending.lock().copying = true;
+        for p in &payloads[300..500] {
+            publish(p);
+        }
+        assert_eq!(rt.pending.lock().log.len(), 200);
+        let (mut next, mut slices) = (500, 0);
+        let cut_before = rt.with_table(|t| t.cut());
+        rt.drain_pending(7, &mut || {
+            slices += 1;
+            // two sources published per slice applied: the log still shrinks
+            for p in payloads.get(next..(next + 2).min(900)).unwrap_or(&[]) {
+                publish(p);
+            }
+            next = (next + 2).min(900);
+            let (cut, logged) = (rt.with_table(|t| t.cut()), rt.pending.lock().log.len());
+            assert!(cut > cut_before, "slices are applied one by one");
+            assert!(logged > 0, "what ingest published meanwhile is recorded");
+        });
+        assert!(slices > 20, "applied in {slices} slices");
+        assert!(!rt.pending.lock().copying);
+        assert!(rt.pending.lock().log.is_empty());
+        for p in &payloads[next..] {
+            publish(p);
+        }
+        let (mut now, mut direct) = (Vec::new(), Vec::new());
+        rt.with_table(|t| t.image(&mut now));
+        reference.borrow().image(&mut direct);
+        let (now, direct) = (canon(&now), canon(&direct));
+        assert!(now.3.len() > 100, "a real state ({} blocks)", now.3.len());
+        assert_eq!(now.0, hub.newest(), "the cut is the ring's newest record");
+        assert_eq!(
+            now, direct,
+            "the same table as applying every source directly"
+        );
     }
 }
