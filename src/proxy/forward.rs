@@ -82,19 +82,17 @@ pub(crate) async fn forward(
         }
     };
     let mut down = std::pin::pin!(down);
-    let ready = async {
+    let end = body.is_end_stream();
+    let open = async {
         // Nothing goes to the engine before the stream has its share of the buffer budgets.
         let share = budget.share().await;
-        let sender = upstream.sender().await?;
-        sender
-            .ready()
+        open_stream(upstream, &parts, end)
             .await
-            .map(|s| (share, s))
-            .map_err(|e| upstream_error(upstream.address(), &e))
+            .map(|(response, up_send)| (share, response, up_send))
     };
-    let (share, mut sender) = tokio::select! {
+    let (share, response, up_send) = tokio::select! {
         biased;
-        r = ready => match r {
+        r = open => match r {
             Ok(s) => s,
             Err(status) => return finish_early(metrics, &method, respond, status),
         },
@@ -103,14 +101,6 @@ pub(crate) async fn forward(
         _ = poll_fn(|cx| respond.poll_reset(cx)) => {
             CallRecord::count(metrics, &method, "cancelled");
             return;
-        }
-    };
-    let end = body.is_end_stream();
-    let (response, up_send) = match sender.send_request(Request::from_parts(parts, ()), end) {
-        Ok(r) => r,
-        Err(e) => {
-            let status = upstream_error(upstream.address(), &e);
-            return finish_early(metrics, &method, respond, status);
         }
     };
     metrics
@@ -282,6 +272,45 @@ fn grpc_status(h: &HeaderMap) -> Option<i32> {
     h.get("grpc-status")
         .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
         .and_then(|s| s.parse().ok())
+}
+
+/// Opens the call's stream to the engine: a pool connection that cannot open one (the engine
+/// sent GOAWAY: it shuts down gracefully, or judged another client's burst of reset streams
+/// abuse, "too_many_resets") leaves its slot, and the call tries the next, at most once per
+/// slot and once more: nothing of it has reached the engine yet.
+async fn open_stream(
+    upstream: &Upstream,
+    parts: &http::request::Parts,
+    end: bool,
+) -> Result<(h2::client::ResponseFuture, h2::SendStream<Bytes>), Status> {
+    let mut attempts = 0;
+    loop {
+        let lease = upstream.sender().await?;
+        let opened = match lease.sender.clone().ready().await {
+            Ok(mut sender) => sender.send_request(head(parts), end),
+            Err(e) => Err(e),
+        };
+        match opened {
+            Ok(r) => return Ok(r),
+            Err(e) => {
+                lease.retire();
+                attempts += 1;
+                if attempts > super::upstream::POOL_SIZE {
+                    return Err(upstream_error(upstream.address(), &e));
+                }
+            }
+        }
+    }
+}
+
+/// The request's head again (a request sent on a connection that refused it is gone).
+fn head(parts: &http::request::Parts) -> Request<()> {
+    let mut req = Request::new(());
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = parts.uri.clone();
+    *req.version_mut() = parts.version;
+    *req.headers_mut() = parts.headers.clone();
+    req
 }
 
 /// Answers `respond` with `status` alone (trailers-only), counted under `method`.

@@ -52,9 +52,23 @@ pub(crate) const DEFAULT_HEADER_LIST: u32 = 16 << 10;
 pub(crate) const MAX_HEADER_LIST: u32 = 1 << 20;
 
 /// One connection of the pool: its request handle, and whether it has ended.
-struct Connection {
-    sender: SendRequest<Bytes>,
+/// An engine connection as the pool hands it out: its sender, and the flag that takes it out of
+/// its slot.
+#[derive(Clone)]
+pub(crate) struct Connection {
+    /// Opens streams on the connection.
+    pub(crate) sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
+}
+
+impl Connection {
+    /// Takes the connection out of its pool slot: the next call that picks the slot connects
+    /// anew. For a connection that refused to open a stream (the engine sent GOAWAY, say after
+    /// another client's calls were reset in a burst and it judged that abuse): its streams
+    /// still open finish on it, new ones go elsewhere.
+    pub(crate) fn retire(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
 }
 
 /// A pool slot: at most one connect in flight, whose result every waiter gets; a failure is
@@ -62,7 +76,7 @@ struct Connection {
 enum Slot {
     Empty,
     Ready(Connection),
-    Connecting(tokio::sync::watch::Receiver<Option<Result<SendRequest<Bytes>, Arc<str>>>>),
+    Connecting(tokio::sync::watch::Receiver<Option<Result<Connection, Arc<str>>>>),
     Failed {
         until: tokio::time::Instant,
         error: Arc<str>,
@@ -180,15 +194,13 @@ impl Upstream {
     /// A sender on a live connection: the next slot's, or a new connection in that slot (one
     /// connect per slot at a time, shared by every call that needs it). `UNAVAILABLE` naming
     /// the engine when it cannot be reached, at once while a failed connect is remembered.
-    pub(crate) async fn sender(&self) -> Result<SendRequest<Bytes>, Status> {
+    pub(crate) async fn sender(&self) -> Result<Connection, Status> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         loop {
             let wait = {
                 let mut slot = self.slots[i].lock().unwrap_or_else(|e| e.into_inner());
                 match &*slot {
-                    Slot::Ready(c) if !c.closed.load(Ordering::Acquire) => {
-                        return Ok(c.sender.clone())
-                    }
+                    Slot::Ready(c) if !c.closed.load(Ordering::Acquire) => return Ok(c.clone()),
                     Slot::Failed { until, error } if tokio::time::Instant::now() < *until => {
                         return Err(self.unreachable(error))
                     }
@@ -222,8 +234,8 @@ impl Upstream {
     async fn connect_slot(
         &self,
         i: usize,
-        tx: tokio::sync::watch::Sender<Option<Result<SendRequest<Bytes>, Arc<str>>>>,
-    ) -> Result<SendRequest<Bytes>, Status> {
+        tx: tokio::sync::watch::Sender<Option<Result<Connection, Arc<str>>>>,
+    ) -> Result<Connection, Status> {
         // Empties the slot if this call is dropped mid-connect, so waiters try again.
         struct Abandoned<'a>(Option<&'a std::sync::Mutex<Slot>>);
         impl Drop for Abandoned<'_> {
@@ -240,10 +252,9 @@ impl Upstream {
         match outcome {
             Ok(c) => {
                 self.metrics.proxy.connects.with_label_values(&["ok"]).inc();
-                let sender = c.sender.clone();
-                *slot = Slot::Ready(c);
-                tx.send_replace(Some(Ok(sender.clone())));
-                Ok(sender)
+                *slot = Slot::Ready(c.clone());
+                tx.send_replace(Some(Ok(c.clone())));
+                Ok(c)
             }
             Err(e) => {
                 self.metrics
@@ -453,7 +464,15 @@ impl Upstream {
     ) -> Result<Bytes, Status> {
         let call = async {
             let unavailable = |e: h2::Error| Status::unavailable(format!("{}: {e}", self.base));
-            let mut sender = self.sender().await?.ready().await.map_err(unavailable)?;
+            // A connection that cannot open a stream leaves its slot (see `Connection::retire`).
+            let lease = self.sender().await?;
+            let mut sender = lease
+                .sender
+                .clone()
+                .ready()
+                .await
+                .inspect_err(|_| lease.retire())
+                .map_err(unavailable)?;
             let mut framed = Vec::with_capacity(5 + msg.len());
             framed.push(0);
             framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
@@ -464,7 +483,10 @@ impl Upstream {
                 .header("grpc-timeout", format!("{}m", timeout.as_millis().max(1)))
                 .body(())
                 .map_err(|e| Status::internal(e.to_string()))?;
-            let (resp, mut send) = sender.send_request(req, false).map_err(unavailable)?;
+            let (resp, mut send) = sender
+                .send_request(req, false)
+                .inspect_err(|_| lease.retire())
+                .map_err(unavailable)?;
             send.send_data(Bytes::from(framed), true)
                 .map_err(unavailable)?;
             let resp = resp.await.map_err(unavailable)?;

@@ -1214,6 +1214,46 @@ async fn slowest_health_check(ch: Channel, stop: tokio::sync::watch::Receiver<bo
     worst
 }
 
+/// The engine sends GOAWAY on its connections while a call is open on one of them (it shuts
+/// down gracefully, or an h2 or grpcio server judged another client's burst of reset streams
+/// abuse: "too_many_resets"). That connection lives on for its open call, but opens no stream:
+/// it leaves its pool slot at the first call that finds so, and that call goes to a fresh
+/// connection, so every call succeeds. Before, the slot kept handing out the draining
+/// connection and every call routed to it failed UNAVAILABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_goaway_fails_no_later_call() {
+    let s = sidecar(&[]).await;
+    let ch = channel(&s.bridge.url()).await;
+    wait_health(&ch, tonic_health::ServingStatus::Serving).await;
+    let stats = s.engine.stats.clone();
+    // One call held open on each of the pool's connections.
+    let mut open = Vec::new();
+    for i in 0..8u64 {
+        open.push(open_stream(&ch, "Hang", b"first").await);
+        let want = i + 1;
+        common::eventually("the engine to hold the calls", T, || {
+            match stats.calls.load(Ordering::SeqCst) {
+                n if n >= want => Ok(()),
+                n => Err(n),
+            }
+        });
+    }
+    stats.drain.notify_waiters();
+    // Round-robin over the pool's slots: 5 calls per slot, every one of them answered.
+    for i in 0..20 {
+        unary(
+            &ch,
+            VLLM,
+            "Echo",
+            Request::new(Bytes::from_static(b"after")),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("call {i} after the GOAWAY: {e:?}"));
+    }
+    drop(open);
+    s.bridge.stop();
+}
+
 /// The HPACK bomb: 1,000 streams of a few hundred bytes, each decoding to 1 MB of
 /// headers. kvbridge accepts no larger header list than the engine (16 KiB here), so the
 /// connection is closed at the first: resident memory stays bounded (before: 17 → 765 MiB),

@@ -58,6 +58,10 @@ pub struct Stats {
     pub header_bytes: AtomicU64,
     /// HTTP/2 receive window per stream for connections accepted from now on (0: 4 MiB).
     pub stream_window: AtomicU32,
+    /// `notify_waiters()`: every open connection sends GOAWAY and drains (its open streams go
+    /// on, no new one is accepted), as a server shutting down gracefully, or an h2 or grpcio
+    /// server that judged a burst of reset streams abuse; new connections are served.
+    pub drain: tokio::sync::Notify,
 }
 
 /// A running test engine.
@@ -234,6 +238,7 @@ where
         0 => 4 << 20,
         n => n,
     };
+    let drain = st.clone();
     let svc = hyper::service::service_fn(move |req| {
         let st = st.clone();
         async move { Ok::<_, Infallible>(handle(st, req).await) }
@@ -241,12 +246,18 @@ where
     // Like grpcio: no stream limit worth mentioning, and windows large enough that h2's
     // small-DATA-frame budget (half the connection window) never closes the connection while
     // 1,000 small requests wait to be read.
-    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .max_concurrent_streams(max_streams)
         .initial_stream_window_size(stream_window)
         .initial_connection_window_size(1 << 30)
-        .serve_connection(TokioIo::new(io), svc)
-        .await;
+        .serve_connection(TokioIo::new(io), svc);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        () = drain.drain.notified() => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
 }
 
 /// A rustls server (ring provider, as kvbridge's own TLS) for `cert_pem` / `key_pem`, ALPN `h2`.
