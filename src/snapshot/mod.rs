@@ -729,11 +729,9 @@ mod tests {
         (i.cut, i.origin, i.unknown, blocks)
     }
 
-    /// An image copy lets ingest go on: what is published during the copy is not in the image
-    /// (which is exactly the state at its cut) and not applied until after the copy; then the
-    /// table is exactly what applying everything directly gives.
-    #[test]
-    fn sources_published_during_an_image_copy_are_applied_after_it() {
+    /// A new 16 MiB ring in a temporary folder (kept while the result lives) with its table
+    /// attached as its publish hook.
+    fn fresh_table() -> (tempfile::TempDir, Arc<RingHub>, Arc<RingTable>) {
         let dir = tempfile::tempdir().unwrap();
         let metrics = Metrics::new();
         let opts = WriterOptions {
@@ -751,6 +749,15 @@ mod tests {
             &SnapshotConfig::default(),
             SnapshotMetrics::new(&metrics),
         );
+        (dir, hub, rt)
+    }
+
+    /// An image copy lets ingest go on: what is published during the copy is not in the image
+    /// (which is exactly the state at its cut) and not applied until after the copy; then the
+    /// table is exactly what applying everything directly gives.
+    #[test]
+    fn sources_published_during_an_image_copy_are_applied_after_it() {
+        let (_dir, hub, rt) = fresh_table();
         let mut w = Workload::new(5);
         let payloads: Vec<Vec<u8>> = (0..600)
             .map(|n| encode_batch(Layout::Vllm0102, 1.7e9, &w.next_batch(), n))
@@ -806,23 +813,7 @@ mod tests {
     /// applied directly, in order, and ingest applies directly again afterwards.
     #[test]
     fn recorded_sources_applied_in_slices_while_ingest_publishes_equal_direct_application() {
-        let dir = tempfile::tempdir().unwrap();
-        let metrics = Metrics::new();
-        let opts = WriterOptions {
-            capacity: 16 << 20,
-            seq_base: Some(1),
-            group_read: false,
-        };
-        let path = dir.path().join("ring");
-        let (hub, _) = RingHub::open("merged", &path, &opts, &metrics).unwrap();
-        let rt = RingTable::attach(
-            &hub,
-            &path,
-            false,
-            None,
-            &SnapshotConfig::default(),
-            SnapshotMetrics::new(&metrics),
-        );
+        let (_dir, hub, rt) = fresh_table();
         let mut w = Workload::new(9);
         let payloads: Vec<Vec<u8>> = (0..900)
             .map(|n| encode_batch(Layout::Vllm0102, 1.7e9, &w.next_batch(), n))
