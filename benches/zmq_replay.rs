@@ -8,8 +8,9 @@
 //! sends the whole block table (snapshot chunks, then the ring's tail) and the DEALER reads it
 //! to the end marker while ingest goes on; the window lasts as long as that replay. The next
 //! window publishes as many batches with no replay. Per window: the longest and p99.9
-//! `RingHub::publish` (ingest); of the longest, how long the ingest thread was runnable but
-//! waiting for a CPU (`/proc/thread-self/schedstat`, read around each publish) and the steal
+//! `RingHub::publish` (ingest); of the longest, how long the ingest thread ran on a CPU, the page
+//! faults it took, how long it was runnable but waiting for a CPU
+//! (`/proc/thread-self/{schedstat,stat}`, read around each publish) and the steal
 //! the hypervisor took from the machine's CPUs meanwhile (`/proc/stat`); how many
 //! publishes slept (a voluntary context switch: blocked on a lock, a page read in) and the
 //! longest of them; the latency from just before the publish to the SUB's
@@ -72,6 +73,8 @@ struct Window {
     /// Of the longest publish: waiting for a CPU (µs); publishes that slept, and the longest
     /// of them (µs).
     longest_runnable_us: f64,
+    longest_on_cpu_us: f64,
+    longest_faults: u64,
     longest_steal_us: f64,
     slept: usize,
     longest_slept_us: f64,
@@ -81,23 +84,48 @@ struct Window {
     replay_mb: f64,
 }
 
-/// This thread's time spent runnable but waiting for a CPU (ns, `/proc/thread-self/schedstat`)
-/// and its voluntary context switches (`/proc/thread-self/status`: each is a sleep — a lock
-/// waited for, a page read in); zeros where they are missing.
-fn sched() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
-    let waited = stat
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
-    let slept = status
+/// This thread's scheduler counters; zeros where the files are missing.
+#[derive(Clone, Copy, Default)]
+struct Sched {
+    /// Time on a CPU and time runnable but waiting for one (ns, `/proc/thread-self/schedstat`).
+    ran: u64,
+    waited: u64,
+    /// Voluntary context switches (`/proc/thread-self/status`: each is a sleep — a lock waited
+    /// for, a page read in).
+    slept: u64,
+    /// Page faults, minor + major (`/proc/thread-self/stat`): fresh memory touched.
+    faults: u64,
+}
+
+fn sched() -> Sched {
+    let read =
+        |f: &str| std::fs::read_to_string(format!("/proc/thread-self/{f}")).unwrap_or_default();
+    let stat = read("schedstat");
+    let field = |i: usize| -> u64 {
+        stat.split_whitespace()
+            .nth(i)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let slept = read("status")
         .lines()
         .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
-    (waited, slept)
+    // after the `(comm)` field: state is field 3, minflt 10, majflt 12
+    let st = read("stat");
+    let rest: Vec<&str> = st
+        .rsplit_once(')')
+        .map_or("", |(_, r)| r)
+        .split_whitespace()
+        .collect();
+    let num = |i: usize| -> u64 { rest.get(i).and_then(|v| v.parse().ok()).unwrap_or(0) };
+    Sched {
+        ran: field(0),
+        waited: field(1),
+        slept,
+        faults: num(7) + num(9),
+    }
 }
 
 /// Time the hypervisor ran something else on this machine's CPUs (steal, summed over them,
@@ -118,6 +146,8 @@ fn steal_us() -> f64 {
 #[derive(Clone, Copy, Default)]
 struct Publish {
     us: f64,
+    on_cpu_us: f64,
+    faults: u64,
     runnable_us: f64,
     slept: bool,
     steal_us: f64,
@@ -146,20 +176,22 @@ fn ingest(
         let p = &mut ps[i % ps.len()];
         p[2..10].copy_from_slice(&now().to_be_bytes());
         let plan = dec.plan(p).expect("valid batch");
-        let (wait0, slept0) = sched();
+        let s0 = sched();
         let steal0 = steal_us();
         let t = Instant::now();
         hub.publish(&dec.planned(&plan, p), None, META)
             .expect("publish");
         let us = t.elapsed().as_secs_f64() * 1e6;
-        let (wait1, slept1) = sched();
+        let s1 = sched();
         let steal = steal_us() - steal0;
         times.push(Publish {
             steal_us: steal,
             us,
-            // a wait for a CPU while reading the files, outside `us`, is not counted in it
-            runnable_us: ((wait1 - wait0) as f64 / 1e3).min(us),
-            slept: slept1 > slept0,
+            // reading the files around the publish is outside `us`: clamp to it
+            on_cpu_us: ((s1.ran - s0.ran) as f64 / 1e3).min(us),
+            faults: s1.faults - s0.faults,
+            runnable_us: ((s1.waited - s0.waited) as f64 / 1e3).min(us),
+            slept: s1.slept > s0.slept,
         });
         std::thread::sleep(due.saturating_duration_since(Instant::now()));
     }
@@ -332,6 +364,8 @@ fn main() {
                 .copied()
                 .unwrap_or(0.0),
             longest_runnable_us: longest.runnable_us,
+            longest_on_cpu_us: longest.on_cpu_us,
+            longest_faults: longest.faults,
             longest_steal_us: longest.steal_us,
             slept: slept.len(),
             longest_slept_us: slept.iter().copied().fold(0.0, f64::max),
@@ -355,15 +389,17 @@ fn main() {
         "zmq replay vs ingest: {blocks} blocks in the table; ingest at {} batches/s",
         1_000_000 / PERIOD.as_micros()
     );
-    println!("window  replay   publishes  longest µs  (runnable  steal)  slept  (longest µs)  p99.9 µs   SUB p50 µs  p99 µs   max µs   replay s  msgs  MB");
+    println!("window  replay   publishes  longest µs  (on CPU  faults  runnable  steal)  slept  (longest µs)  p99.9 µs   SUB p50 µs  p99 µs   max µs   replay s  msgs  MB");
     let q = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
     for (i, w) in out.iter().enumerate() {
         println!(
-            "{:<7} {:<8} {:>9} {:>11.0} {:>10.0} {:>6.0} {:>6} {:>13.0} {:>9.0} {:>11.0} {:>7.0} {:>8.0} {:>10.2} {:>5} {:>5.0}",
+            "{:<7} {:<8} {:>9} {:>11.0} {:>8.0} {:>7} {:>9.0} {:>6.0} {:>6} {:>13.0} {:>9.0} {:>11.0} {:>7.0} {:>8.0} {:>10.2} {:>5} {:>5.0}",
             i + 1,
             if w.replay { "from 0" } else { "none" },
             w.publishes,
             w.longest_us,
+            w.longest_on_cpu_us,
+            w.longest_faults,
             w.longest_runnable_us,
             w.longest_steal_us,
             w.slept,
@@ -394,7 +430,12 @@ fn main() {
                     ),
                     w.publishes,
                     [w.longest_us, w.p999_us],
-                    [w.longest_runnable_us, w.longest_steal_us],
+                    [
+                        w.longest_on_cpu_us,
+                        w.longest_faults as f64,
+                        w.longest_runnable_us,
+                        w.longest_steal_us
+                    ],
                     [w.slept as f64, w.longest_slept_us],
                     [q(&w.sub, 0.5), q(&w.sub, 0.99), w.sub.max() as f64 / 1e3],
                     if w.replay {
@@ -419,7 +460,7 @@ fn main() {
                 {"name": "window"},
                 {"name": "publishes", "format": "{:,}"},
                 {"name": "ingest publish longest / p99.9 µs", "format": "{:,.0f} / {:,.0f}"},
-                {"name": "of the longest: waiting for a CPU / machine's steal µs", "format": "{:,.0f} / {:,.0f}"},
+                {"name": "of the longest: on a CPU µs / page faults / waiting for a CPU / machine's steal µs", "format": "{:,.0f} / {:,.0f} / {:,.0f} / {:,.0f}"},
                 {"name": "publishes that slept / longest of them µs", "format": "{:,.0f} / {:,.0f}"},
                 {"name": "publish → ZMQ SUB p50 / p99 / max µs", "format": "{:,.0f} / {:,.0f} / {:,.0f}"},
                 {"name": "replay s / messages / MB", "format": "{:.2f} / {:,} / {:,.0f}"},
