@@ -25,19 +25,11 @@
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use kvbridge::decode::{DecodeConfig, Decoder, RecordHeader};
-use kvbridge::metrics::Metrics;
 use kvbridge::ring::RingHub;
-use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics, Table, CHUNK_MAX};
-use kvbridge_shm::{RecordMeta, WriterOptions};
-use kvbridge_tools::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
-
-/// Ring metadata of every benchmark record (rank 0; the values do not matter here).
-const META: RecordMeta = RecordMeta {
-    dp_rank: 0,
-    upstream_seq: 1,
-    flags: 0,
-    ingest_ns: 1,
-};
+use kvbridge::snapshot::{Table, CHUNK_MAX};
+use kvbridge_shm::WriterOptions;
+use kvbridge_tools::bench::table_ring::{big_payloads, full_cache_ring, TableRing, META};
+use kvbridge_tools::sim::{encode_batch, Layout, Workload};
 
 fn payloads(n: usize) -> Vec<Vec<u8>> {
     let mut w = Workload::new(7);
@@ -110,57 +102,29 @@ fn publish(dec: &mut Decoder, ps: &[Vec<u8>], hub: &RingHub) -> u64 {
 
 fn bench_publish(c: &mut Criterion) {
     let ps = payloads(2000);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let metrics = Metrics::new();
+    // the plain ring beside the one with a table, in the same directory (on tmpfs)
+    let tabled = TableRing::open("tabled", 64 << 20);
     let opts = WriterOptions {
         capacity: 64 << 20,
         seq_base: Some(1),
         group_read: false,
     };
-    let open = |name: &str| {
-        RingHub::open(name, &dir.path().join(name), &opts, &metrics)
-            .expect("ring")
-            .0
-    };
-    let (plain, tabled) = (open("plain"), open("tabled"));
-    let _table = RingTable::attach(
-        &tabled,
-        &dir.path().join("tabled"),
-        false,
-        None,
-        &SnapshotConfig::default(),
-        SnapshotMetrics::new(&metrics),
-    );
+    let plain = RingHub::open("plain", &tabled.dir().join("plain"), &opts, &tabled.metrics)
+        .expect("ring")
+        .0;
+    let tabled = &tabled.hub;
     let mut dec = Decoder::new(DecodeConfig::default());
     let mut g = c.benchmark_group("publish");
     g.bench_function("ring", |b| {
         b.iter(|| black_box(publish(&mut dec, &ps, &plain)))
     });
     g.bench_function("ring+table", |b| {
-        b.iter(|| black_box(publish(&mut dec, &ps, &tabled)))
+        b.iter(|| black_box(publish(&mut dec, &ps, tabled)))
     });
     g.finish();
 }
 
 /// 1,000 prompts of 1,000 blocks of 16 tokens, each a chain from the root.
-fn big_payloads() -> Vec<Vec<u8>> {
-    let mut rng = Rng::new(3);
-    (0..1000)
-        .map(|_| {
-            let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
-            let tokens: Vec<u32> = (0..16_000).map(|_| rng.range(1, 151_000) as u32).collect();
-            let ev = SimEvent::Stored {
-                hashes,
-                parent: None,
-                tokens,
-                block_size: 16,
-                medium: Some("GPU".into()),
-            };
-            encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0)
-        })
-        .collect()
-}
-
 fn table_of(ps: &[Vec<u8>]) -> Table {
     let mut dec = Decoder::new(DecodeConfig::default());
     let mut t = Table::new(usize::MAX, 1);
@@ -205,32 +169,9 @@ fn publish_times(
 
 /// How long ingest waits while snapshots of 1,000,000 blocks are taken (printed).
 fn ingest_during_snapshots() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let metrics = Metrics::new();
-    let opts = WriterOptions {
-        capacity: 256 << 20,
-        seq_base: Some(1),
-        group_read: false,
-    };
-    let path = dir.path().join("ring");
-    let hub = RingHub::open("merged", &path, &opts, &metrics)
-        .expect("ring")
-        .0;
-    let rt = RingTable::attach(
-        &hub,
-        &path,
-        false,
-        None,
-        &SnapshotConfig::default(),
-        SnapshotMetrics::new(&metrics),
-    );
+    let ring = full_cache_ring(256 << 20);
+    let (hub, rt) = (&ring.hub, &ring.table);
     let mut dec = Decoder::new(DecodeConfig::default());
-    let meta = META;
-    for p in big_payloads() {
-        let plan = dec.plan(&p).expect("valid");
-        hub.publish(&dec.planned(&plan, &p), None, meta)
-            .expect("publish");
-    }
     let blocks = rt.with_table(|t| t.len());
     let ps = payloads(2000);
     let done = std::sync::atomic::AtomicBool::new(false);
@@ -243,10 +184,10 @@ fn ingest_during_snapshots() {
             done.store(true, std::sync::atomic::Ordering::Release);
             t0.elapsed()
         });
-        let during = publish_times(&mut dec, &ps, &hub, Some(&done), 0);
+        let during = publish_times(&mut dec, &ps, hub, Some(&done), 0);
         (during, taker.join().expect("snapshot thread"))
     });
-    let alone = publish_times(&mut dec, &ps, &hub, None, during.2);
+    let alone = publish_times(&mut dec, &ps, hub, None, during.2);
     println!(
         "ingest during snapshots: {blocks} blocks, 3 snapshots in {:.2} s; {} publishes: longest {:.0} µs, p99.9 {:.0} µs (same number with no snapshot: longest {:.0} µs, p99.9 {:.0} µs)",
         snaps.as_secs_f64(),

@@ -2,14 +2,15 @@
 //! of 16 tokens (1,000 prompts of 1,000 blocks, as `benches/snapshot.rs`), published on the
 //! engine ZMQ wire by the real edge (`publish_zmq::ZmqPublisher`, PUB and replay ROUTER on
 //! loopback), one SUB reading the PUB, and ingest going on at a steady 2,000 batches a second of
-//! the serving mix through the service's real ingest step (`RingHub::publish`).
+//! the serving mix through the service's real ingest step (`RingHub::publish`), the ring on tmpfs as
+//! `kvbridge serve` keeps it (`kvbridge_tools::bench::table_ring`).
 //!
 //! Windows alternate: in a "replay" window a DEALER asks the ROUTER for seq 0, so the edge
 //! sends the whole block table (snapshot chunks, then the ring's tail) and the DEALER reads it
 //! to the end marker while ingest goes on; the window lasts as long as that replay. The next
 //! window publishes as many batches with no replay. Per window: the longest and p99.9
-//! `RingHub::publish` (ingest); of the longest, how long the ingest thread ran on a CPU, the page
-//! faults it took, how long it was runnable but waiting for a CPU
+//! `RingHub::publish` (ingest); of the longest, how long the ingest thread ran on a CPU (its CPU
+//! clock), the page faults it took, how long it was runnable but waiting for a CPU
 //! (`/proc/thread-self/{schedstat,stat}`, read around each publish) and the steal
 //! the hypervisor took from the machine's CPUs meanwhile (`/proc/stat`); how many
 //! publishes slept (a voluntary context switch: blocked on a lock, a page read in) and the
@@ -24,41 +25,14 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use kvbridge::decode::{DecodeConfig, Decoder};
-use kvbridge::metrics::Metrics;
 use kvbridge::publish_zmq::{PublishZmqConfig, RankSource, TcpEndpoint, WireLayout, ZmqPublisher};
 use kvbridge::ring::RingHub;
-use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics};
-use kvbridge_shm::{RecordMeta, WriterOptions};
-use kvbridge_tools::sim::{encode_batch, Layout, Rng, SimEvent, Workload};
-
-const META: RecordMeta = RecordMeta {
-    dp_rank: 0,
-    upstream_seq: 1,
-    flags: 0,
-    ingest_ns: 1,
-};
+use kvbridge_tools::bench::proc_stats::thread_cpu_seconds;
+use kvbridge_tools::bench::table_ring::{full_cache_ring, META};
+use kvbridge_tools::sim::{encode_batch, Layout, Workload};
 
 /// Ingest's pace: one batch every 500 µs.
 const PERIOD: Duration = Duration::from_micros(500);
-
-/// 1,000 prompts of 1,000 blocks of 16 tokens, each a chain from the root.
-fn big_payloads() -> Vec<Vec<u8>> {
-    let mut rng = Rng::new(3);
-    (0..1000)
-        .map(|_| {
-            let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
-            let tokens: Vec<u32> = (0..16_000).map(|_| rng.range(1, 151_000) as u32).collect();
-            let ev = SimEvent::Stored {
-                hashes,
-                parent: None,
-                tokens,
-                block_size: 16,
-                medium: Some("GPU".into()),
-            };
-            encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0)
-        })
-        .collect()
-}
 
 fn now() -> f64 {
     kvbridge::clock::unix_seconds()
@@ -87,7 +61,8 @@ struct Window {
 /// This thread's scheduler counters; zeros where the files are missing.
 #[derive(Clone, Copy, Default)]
 struct Sched {
-    /// Time on a CPU and time runnable but waiting for one (ns, `/proc/thread-self/schedstat`).
+    /// Time on a CPU (ns, the thread's CPU clock) and time runnable but waiting for one (ns,
+    /// `/proc/thread-self/schedstat`).
     ran: u64,
     waited: u64,
     /// Voluntary context switches (`/proc/thread-self/status`: each is a sleep — a lock waited
@@ -121,7 +96,7 @@ fn sched() -> Sched {
         .collect();
     let num = |i: usize| -> u64 { rest.get(i).and_then(|v| v.parse().ok()).unwrap_or(0) };
     Sched {
-        ran: field(0),
+        ran: (thread_cpu_seconds() * 1e9) as u64,
         waited: field(1),
         slept,
         faults: num(7) + num(9),
@@ -226,31 +201,9 @@ fn main() {
     let rounds: usize = arg("--rounds").map_or(2, |r| r.parse().expect("--rounds N"));
     let json = arg("--json");
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let metrics = Metrics::new();
-    let opts = WriterOptions {
-        capacity: 256 << 20,
-        seq_base: Some(1),
-        group_read: false,
-    };
-    let path = dir.path().join("ring");
-    let hub = RingHub::open("merged", &path, &opts, &metrics)
-        .expect("ring")
-        .0;
-    let table = RingTable::attach(
-        &hub,
-        &path,
-        false,
-        None,
-        &SnapshotConfig::default(),
-        SnapshotMetrics::new(&metrics),
-    );
+    let ring = full_cache_ring(256 << 20);
+    let (hub, table, metrics) = (&ring.hub, &ring.table, &ring.metrics);
     let mut dec = Decoder::new(DecodeConfig::default());
-    for p in big_payloads() {
-        let plan = dec.plan(&p).expect("valid");
-        hub.publish(&dec.planned(&plan, &p), None, META)
-            .expect("publish");
-    }
     let blocks = table.with_table(|t| t.len());
     let any = TcpEndpoint {
         host: "127.0.0.1".into(),
@@ -271,7 +224,7 @@ fn main() {
             hub: hub.clone(),
             table: Some(table.clone()),
         }],
-        &metrics,
+        metrics,
     )
     .expect("the edge binds");
     let (_, pub_ep, replay_ep) = edge.bound[0].clone();
@@ -321,9 +274,9 @@ fn main() {
     let deadline = Instant::now() + Duration::from_secs(20);
     while received.load(Ordering::Relaxed) == 0 {
         assert!(Instant::now() < deadline, "the SUB never received anything");
-        ingest(&mut dec, &mut ps, &hub, None, 10);
+        ingest(&mut dec, &mut ps, hub, None, 10);
     }
-    ingest(&mut dec, &mut ps, &hub, None, 2000);
+    ingest(&mut dec, &mut ps, hub, None, 2000);
 
     let mut out: Vec<Window> = Vec::new();
     let mut last_n = 0;
@@ -339,12 +292,12 @@ fn main() {
                     done.store(true, Ordering::Release);
                     (t0.elapsed().as_secs_f64(), r)
                 });
-                let times = ingest(&mut dec, &mut ps, &hub, Some(&done), 0);
+                let times = ingest(&mut dec, &mut ps, hub, Some(&done), 0);
                 let (secs, (msgs, bytes)) = consumer.join().expect("replay thread");
                 (times, secs, msgs, bytes)
             })
         } else {
-            (ingest(&mut dec, &mut ps, &hub, None, last_n), 0.0, 0, 0)
+            (ingest(&mut dec, &mut ps, hub, None, last_n), 0.0, 0, 0)
         };
         last_n = times.len();
         let longest = times
@@ -376,7 +329,7 @@ fn main() {
         });
     }
     // Let the last batches arrive, then stop the SUB.
-    ingest(&mut dec, &mut ps, &hub, None, 200);
+    ingest(&mut dec, &mut ps, hub, None, 200);
     window.store(usize::MAX, Ordering::SeqCst);
     stop.store(true, Ordering::SeqCst);
     let hs = sub_thread.join().expect("SUB thread");

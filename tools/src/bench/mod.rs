@@ -16,6 +16,7 @@ pub mod floor;
 pub mod nats;
 pub mod proc_stats;
 pub mod reader;
+pub mod table_ring;
 mod wire;
 pub mod zmq_column;
 

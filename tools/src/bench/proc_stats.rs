@@ -3,6 +3,13 @@
 
 pub use kvbridge::metrics::process::{cpu_seconds, peak_rss_kib, status_kib};
 
+/// The calling thread's CPU time (s), exact to the call (`CLOCK_THREAD_CPUTIME_ID`; the
+/// scheduler's statistics in `/proc` lag by up to a tick for a thread that is running).
+pub fn thread_cpu_seconds() -> f64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
 /// Counts a process's system calls (all its threads) over a window, with
 /// `perf stat -e raw_syscalls:sys_enter -p PID`: in-kernel counting, so unlike `strace` it barely
 /// slows the process it watches.

@@ -13,6 +13,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use super::proc_stats::thread_cpu_seconds;
 use super::{Delivery, Latency};
 
 /// One path's figures.
@@ -50,11 +51,6 @@ fn ts_of(payload: &[u8]) -> Option<f64> {
 struct SubOut {
     hist: Histogram<u64>,
     delivery: Delivery,
-}
-
-fn thread_cpu_seconds() -> f64 {
-    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
 /// The floor's relay: a SUB on `engine_pub` re-sending every message unchanged on a PUB of its
