@@ -2,13 +2,15 @@
 """Runs the `--publish-zmq` rows of docs/dynamo-llm-d.md with `kvbridge bench` and writes them as data
 (docs/perf/zmq-vs-floor.json, docs/perf/zmq-grpc-alternation.json) for scripts/perf-tables.py.
 
-    scripts/zmq-perf.py [--runs 3] [--seconds 10] [--binary target/release/kvbridge] [--out-dir docs/perf]
+    scripts/zmq-perf.py [--runs 3] [--seconds 10] [--pairs 4] [--binary target/release/kvbridge] [--out-dir docs/perf]
 
 Each run is two benches, each starting its own bridge:
   * the ZMQ column: 10 SUBs on the bridge's --publish-zmq and, in the same run, 10 SUBs on a bare
     ZMQ relay of the same engine messages (the floor); commit → subscriber latency of both;
-  * the alternation (--zmq-alternate 2): the gRPC column (one subscriber on one connection: one
-    gateway) in four windows, alternately with no ZMQ subscriber and with 10 reading.
+  * the alternation (--zmq-alternate PAIRS): the gRPC column (one subscriber on one connection:
+    one gateway) in 2 × PAIRS windows, alternately with no ZMQ subscriber and with 10 reading.
+    Per run: the medians with / without, and the noise: how far apart the windows *without* ZMQ
+    subscribers are from each other (max / min of each quantile), the yardstick for "unchanged".
 The 1-minute load average is recorded before each bench: the machine may be shared.
 """
 import argparse, importlib.util, json, os, subprocess, sys, tempfile, time
@@ -35,6 +37,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "kvbridge"))
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "perf"))
     a = ap.parse_args()
@@ -48,7 +51,7 @@ def main():
                        [f["latency"]["p50_us"], f["latency"]["p99_us"]],
                        [b["latency"]["p50_us"] / f["latency"]["p50_us"], b["latency"]["p99_us"] / f["latency"]["p99_us"]],
                        [b["delivery"]["delivered"], b["delivery"]["lost"], f["delivery"]["lost"]]])
-        load, r = bench(a.binary, a.seconds, ["--shm-readers", "0", "--zmq-alternate", "2"])
+        load, r = bench(a.binary, a.seconds, ["--shm-readers", "0", "--zmq-alternate", str(a.pairs)])
         ws = r["zmq_alternation"]
         for i, w in enumerate(ws):
             alternation.append([f"{run}.{i + 1}", load, w["zmq_subscribers"],
@@ -56,10 +59,15 @@ def main():
                                 [w["grpc"]["delivered"], w["grpc"]["lost"]],
                                 w["zmq"]["delivered"] if w["zmq_subscribers"] else None,
                                 w["bridge_cpu_percent"]])
-        med = lambda with_, key: median([w["grpc_latency"][key] for w in ws if (w["zmq_subscribers"] > 0) == with_])
+        kind = lambda with_, key: [w["grpc_latency"][key] for w in ws if (w["zmq_subscribers"] > 0) == with_]
+        keys = ("p50_us", "p99_us", "p999_us")
         alternation.append([f"{run}: with / without (medians)", None, None,
                             {"format": "**{:.2f}× / {:.2f}×** / {:.2f}×",
-                             "values": [med(True, k) / med(False, k) for k in ("p50_us", "p99_us", "p999_us")]},
+                             "values": [median(kind(True, k)) / median(kind(False, k)) for k in keys]},
+                            None, None, None])
+        alternation.append([f"{run}: noise (max / min without)", None, None,
+                            {"format": "{:.2f}× / {:.2f}× / {:.2f}×",
+                             "values": [max(kind(False, k)) / min(kind(False, k)) for k in keys]},
                             None, None, None])
     when = time.strftime("%Y-%m-%d")
     common = {"machine": perf_table.machine().rsplit(",", 1)[0], "when": when}
@@ -77,7 +85,7 @@ def main():
         "zmq-grpc-alternation.json": dict(
             title="gRPC subscriber latency without and with 10 ZMQ subscribers, alternating windows (same run)",
             command=f"scripts/zmq-perf.py --runs {a.runs} --seconds {a.seconds} (kvbridge bench --rate 1000 "
-                    f"--duration {a.seconds} --subscribers 1 --shm-readers 0 --zmq-subscribers 10 --zmq-alternate 2)",
+                    f"--duration {a.seconds} --subscribers 1 --shm-readers 0 --zmq-subscribers 10 --zmq-alternate {a.pairs})",
             columns=[{"name": "run.window"}, {"name": "load average", "format": "{:.1f}"},
                      {"name": "ZMQ SUBs", "format": "{}"},
                      {"name": "gRPC p50 / p99 / p99.9 µs", "format": "{:.0f} / {:.0f} / {:,.0f}"},

@@ -70,12 +70,12 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
         Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &engine_args(&e));
     e.wait_subscribed();
     let mut sub = subscribe(&bridge.url(), 0).await.unwrap();
-    let page = scrape(maddr);
-    assert_eq!(
-        metric(&page, "kvbridge_upstream_connected", &[("rank", "0")]),
-        1.0
-    );
-    assert_eq!(metric(&page, "kvbridge_health_serving", &[]), 1.0);
+    // The engine sees the subscription before kvbridge's socket monitor reports the connection,
+    // and the health gauge follows on its next tick (100 ms).
+    let page = wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 1.0
+            && metric(p, "kvbridge_health_serving", &[]) == 1.0
+    });
     assert_eq!(metric(&page, "kvbridge_subscribers", &[]), 1.0);
 
     let want = publish_stores(&e, 100, 10, 3);
@@ -1674,7 +1674,10 @@ async fn an_engine_message_above_the_limit_is_refused_and_the_stream_goes_on() {
         clears(&got) >= 1,
         "the lost batch was not signalled in band"
     );
-    let page = scrape(maddr);
+    // the socket monitor reports the new connection on its own time
+    let page = wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 1.0
+    });
     let rejoins = metric(&page, "kvbridge_publisher_rejoins_total", &[("rank", "0")]);
     let timed_out = metric(&page, "kvbridge_replays_total", &[("outcome", "timed_out")]);
     eprintln!(
