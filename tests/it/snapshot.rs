@@ -806,7 +806,7 @@ async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_co
         let log = bridge.log();
         // the engine's replay fills in what the bridge missed while it was down; then the late
         // subscriber's table is the engine's whole cache, complete
-        let n = churn_quiet(&e0, &mut work, &ring).await;
+        let n = churn_quiet(&e0, &mut work, &ring, &bridge).await;
         if !starved {
             checked += 1;
             assert!(
@@ -832,7 +832,7 @@ async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_co
             // until the next clear: the engine drops its cache, so the next round starts from a
             // complete table.
             e0.publish(Layout::Vllm0102, work.clear(), 0);
-            churn_quiet(&e0, &mut work, &ring).await;
+            churn_quiet(&e0, &mut work, &ring, &bridge).await;
         }
         // The next round starts from a checkpoint the ring holds: one the catch-up lapped is
         // rewritten (the table changed and its cut is gone, so a checkpoint is due).
@@ -856,7 +856,7 @@ async fn with_a_small_ring_and_a_fast_writer_a_sigkill_at_any_moment_restarts_co
 /// or not, is ingested then); returns the marker's own number (the newest once it is in: the
 /// ring may still be taking in the engine's replay when the reader below opens, so the newest
 /// number read before the scan can be older than the marker).
-async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path) -> u64 {
+async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path, bridge: &Bridge) -> u64 {
     let (ev, h) = work.store(None, 1);
     work.chains.push(h.clone());
     e.publish(Layout::Vllm0102, vec![ev], 0);
@@ -880,8 +880,9 @@ async fn churn_quiet(e: &Engine, work: &mut Churn, ring: &std::path::Path) -> u6
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "marker {} never arrived",
-            h[0]
+            "marker {} never arrived; the bridge's log:\n{}",
+            h[0],
+            bridge.log()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -917,7 +918,7 @@ async fn an_unchanged_table_writes_no_checkpoint_and_one_change_a_second_far_few
         let ev = work.step(1000);
         e0.publish(Layout::Vllm0102, ev, 0);
     }
-    churn_quiet(&e0, &mut work, &ring).await;
+    churn_quiet(&e0, &mut work, &ring, &bridge).await;
     let page = scrape(addr);
     let before = writes(&page);
     assert_eq!(before.0, 1.0, "only the start-up checkpoint so far");

@@ -282,18 +282,7 @@ fn start_bridge(
 
 /// One fill store: `blocks` new blocks of 16 random tokens, a chain from the root.
 fn fill_store(rng: &mut Rng, blocks: usize) -> Vec<u8> {
-    let hashes: Vec<u64> = (0..blocks).map(|_| rng.next_u64()).collect();
-    let tokens: Vec<u32> = (0..blocks * 16)
-        .map(|_| rng.range(1, 151_000) as u32)
-        .collect();
-    let ev = SimEvent::Stored {
-        hashes,
-        parent: None,
-        tokens,
-        block_size: 16,
-        medium: Some("GPU".into()),
-    };
-    encode_batch(Layout::Vllm0102, kvbridge::clock::unix_seconds(), &[ev], 0)
+    super::table_ring::chain_store(rng, blocks, kvbridge::clock::unix_seconds())
 }
 
 /// What the load thread publishes.

@@ -106,19 +106,25 @@ impl TableRing {
 pub fn big_payloads() -> Vec<Vec<u8>> {
     let mut rng = Rng::new(3);
     (0..1000)
-        .map(|_| {
-            let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
-            let tokens: Vec<u32> = (0..16_000).map(|_| rng.range(1, 151_000) as u32).collect();
-            let ev = SimEvent::Stored {
-                hashes,
-                parent: None,
-                tokens,
-                block_size: 16,
-                medium: Some("GPU".into()),
-            };
-            encode_batch(Layout::Vllm0102, 1.7e9, &[ev], 0)
-        })
+        .map(|_| chain_store(&mut rng, 1000, 1.7e9))
         .collect()
+}
+
+/// One engine batch (vLLM layout) of one store: `blocks` new blocks of 16 random tokens, a chain
+/// from the root, stamped `ts`.
+pub fn chain_store(rng: &mut Rng, blocks: usize, ts: f64) -> Vec<u8> {
+    let hashes: Vec<u64> = (0..blocks).map(|_| rng.next_u64()).collect();
+    let tokens: Vec<u32> = (0..blocks * 16)
+        .map(|_| rng.range(1, 151_000) as u32)
+        .collect();
+    let ev = SimEvent::Stored {
+        hashes,
+        parent: None,
+        tokens,
+        block_size: 16,
+        medium: Some("GPU".into()),
+    };
+    encode_batch(Layout::Vllm0102, ts, &[ev], 0)
 }
 
 /// A ring whose table holds [`big_payloads`] (1,000,000 blocks).
