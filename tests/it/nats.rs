@@ -235,8 +235,8 @@ async fn wait_jetstream(js: &jetstream::Context) {
 }
 
 /// Publishes `n` small batches (rank 0), `chunk` at a time, waiting after each chunk until the
-/// ring is within `chunk` of what was sent so far (so that ZMQ never has to drop); `at(i)` runs
-/// after the chunk that ends at `i` batches.
+/// ring is within `chunk` of what was sent so far (so that ZMQ never has to drop), and at the end
+/// until it holds all `n`; `at(i)` runs after the chunk that ends at `i` batches.
 fn drive(engine: &Engine, shm: &Path, seed: u64, n: usize, chunk: usize, at: impl FnMut(usize)) {
     drive_paced(engine, shm, seed, n, chunk, None, at)
 }
@@ -283,6 +283,20 @@ fn drive_paced(
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
     }
+    // One chunk may be in flight above; at the end, every batch is in the ring (callers compare
+    // what the sink acknowledged with the ring's newest record).
+    common::eventually(
+        "kvbridge took in every batch",
+        Duration::from_secs(60),
+        || {
+            let newest = ring_newest(shm);
+            if newest >= base + n as u64 {
+                Ok(())
+            } else {
+                Err(newest)
+            }
+        },
+    );
 }
 
 fn ring_newest(shm: &Path) -> u64 {
