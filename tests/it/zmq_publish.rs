@@ -784,10 +784,35 @@ fn bad_consumers_do_not_hold_anyone_else() {
         let mut stream = common::subscribe(&bridge.url(), 0)
             .await
             .expect("subscribe");
-        common::collect_until(&mut stream, Duration::from_secs(30), |b| {
-            common::stored_hashes(b).len() >= 500 * 4
-        })
-        .await
+        // (collect_until, with what the bridge was doing if the stream stalls: seen once under
+        // the stress script, 364 batches in 30 s)
+        let mut got: Vec<kvbridge::proto::common::KvEventBatch> = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while common::stored_hashes(&got).len() < 500 * 4 {
+            match tokio::time::timeout_at(deadline, stream.message()).await {
+                Ok(Ok(Some(b))) => got.push(b),
+                end => {
+                    let page = scrape(maddr);
+                    let lines: Vec<&str> = page
+                        .lines()
+                        .filter(|l| {
+                            !l.starts_with('#')
+                                && ["ring_newest", "batches_sent", "subscriber", "zmq_replay"]
+                                    .iter()
+                                    .any(|k| l.contains(k))
+                        })
+                        .collect();
+                    panic!(
+                        "gRPC stream: {} batches (last seq {:?}), then {end:?}\n{}\nthe bridge's log:\n{}",
+                        got.len(),
+                        got.last().map(|b| b.sequence_number),
+                        lines.join("\n"),
+                        bridge.log()
+                    );
+                }
+            }
+        }
+        got
     });
     assert!(
         common::stored_hashes(&grpc).len() >= 500 * 4,
