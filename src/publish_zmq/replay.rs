@@ -227,10 +227,16 @@ impl Server {
     /// Starts queued replays while slots are free (a replay that needs the table waits while
     /// [`MAX_SNAPSHOTS`] others send chunks).
     fn activate(&mut self) {
+        if self.active.len() >= MAX_ACTIVE || self.queue.is_empty() {
+            return;
+        }
+        // One view of the window for the whole pass (it takes the writer lock ingest takes):
+        // the queue can hold thousands of requests, most of them skipped while the snapshot
+        // slots are full, and this runs on every turn of the loop.
+        let (oldest, newest) = self.hub.window();
+        let oldest = self.hub.readable_from(oldest);
         let mut i = 0;
         while self.active.len() < MAX_ACTIVE && i < self.queue.len() {
-            let (oldest, newest) = self.hub.window();
-            let oldest = self.hub.readable_from(oldest);
             let start = self.queue[i].start;
             let needs_state = start < oldest && start <= newest;
             let snapshots = self.active.iter().filter(|r| r.chunks.is_some()).count();
