@@ -729,6 +729,20 @@ mod tests {
         (i.cut, i.origin, i.unknown, blocks)
     }
 
+    /// Publishes engine payload `p` into `hub` (the table sees it through its hook) and applies
+    /// it to `reference` directly, as the hook does when no copy runs.
+    fn publish_with_reference(hub: &RingHub, dec: &mut Decoder, reference: &mut Table, p: &[u8]) {
+        let plan = dec.plan(p).expect("valid");
+        let meta = RecordMeta {
+            dp_rank: 0,
+            upstream_seq: 1,
+            flags: 0,
+            ingest_ns: 1,
+        };
+        let out = hub.publish(&dec.planned(&plan, p), None, meta).unwrap();
+        reference.apply(&dec.planned(&plan, p), &[], 0, out.last_seq);
+    }
+
     /// A new 16 MiB ring in a temporary folder (kept while the result lives) with its table
     /// attached as its publish hook.
     fn fresh_table() -> (tempfile::TempDir, Arc<RingHub>, Arc<RingTable>) {
@@ -766,15 +780,7 @@ mod tests {
         // `reference` is fed every source directly, as the hook does without a copy running
         let mut reference = Table::new(usize::MAX, 1);
         let publish = |dec: &mut Decoder, reference: &mut Table, p: &[u8]| {
-            let plan = dec.plan(p).expect("valid");
-            let meta = RecordMeta {
-                dp_rank: 0,
-                upstream_seq: 1,
-                flags: 0,
-                ingest_ns: 1,
-            };
-            let out = hub.publish(&dec.planned(&plan, p), None, meta).unwrap();
-            reference.apply(&dec.planned(&plan, p), &[], 0, out.last_seq);
+            publish_with_reference(&hub, dec, reference, p)
         };
         for p in &payloads[..300] {
             publish(&mut dec, &mut reference, p);
@@ -821,18 +827,7 @@ mod tests {
         let dec = std::cell::RefCell::new(Decoder::new(DecodeConfig::default()));
         let reference = std::cell::RefCell::new(Table::new(usize::MAX, 1));
         let publish = |p: &[u8]| {
-            let mut dec = dec.borrow_mut();
-            let plan = dec.plan(p).expect("valid");
-            let meta = RecordMeta {
-                dp_rank: 0,
-                upstream_seq: 1,
-                flags: 0,
-                ingest_ns: 1,
-            };
-            let out = hub.publish(&dec.planned(&plan, p), None, meta).unwrap();
-            reference
-                .borrow_mut()
-                .apply(&dec.planned(&plan, p), &[], 0, out.last_seq);
+            publish_with_reference(&hub, &mut dec.borrow_mut(), &mut reference.borrow_mut(), p)
         };
         for p in &payloads[..300] {
             publish(p);

@@ -329,6 +329,26 @@ fn free_port_pair() -> u16 {
     panic!("no two consecutive free ports");
 }
 
+/// kvbridge over engines `e0` and `e1` (ranks 0 and 1, `--dp-mode metadata`), publishing rank r
+/// on PUB port P + r and replay port R + r; returns (P, R, the bridge).
+fn two_rank_bridge(
+    dir: &std::path::Path,
+    ring: &std::path::Path,
+    e0: &Engine,
+    e1: &Engine,
+) -> (u16, u16, Bridge) {
+    common::retry_on_taken_port(|| {
+        let (p, r) = (free_port_pair(), free_port_pair());
+        let mut args = base_args(&[e0, e1]);
+        args.extend(publish_args(
+            &format!("tcp://127.0.0.1:{p}"),
+            &format!("tcp://127.0.0.1:{r}"),
+        ));
+        args.extend(["--dp-mode", "metadata"].map(String::from));
+        Bridge::try_start(dir, ring, &args).map(|b| (p, r, b))
+    })
+}
+
 /// Every field, frame by frame, through vLLM's decoder; the engine's restart becomes an
 /// `AllBlocksCleared` in a sequence that never goes back; replay (window, state, future) ends
 /// with the engine's end marker.
@@ -430,16 +450,7 @@ fn two_ranks_publish_on_port_plus_rank() {
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let (e0, e1) = (Engine::start(0), Engine::start(1));
-    let (p, r, bridge) = common::retry_on_taken_port(|| {
-        let (p, r) = (free_port_pair(), free_port_pair());
-        let mut args = base_args(&[&e0, &e1]);
-        args.extend(publish_args(
-            &format!("tcp://127.0.0.1:{p}"),
-            &format!("tcp://127.0.0.1:{r}"),
-        ));
-        args.extend(["--dp-mode", "metadata"].map(String::from));
-        Bridge::try_start(dir.path(), &ring, &args).map(|b| (p, r, b))
-    });
+    let (p, r, bridge) = two_rank_bridge(dir.path(), &ring, &e0, &e1);
     let eps = endpoints(&bridge, 2);
     assert_eq!(eps[0].0, format!("tcp://127.0.0.1:{p}"));
     assert_eq!(eps[1].0, format!("tcp://127.0.0.1:{}", p + 1));
@@ -1207,16 +1218,7 @@ fn dynamo_indexer_reads_two_ranks_on_port_plus_rank() {
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let (e0, e1) = (Engine::start(0), Engine::start(1));
-    let (p, r, bridge) = common::retry_on_taken_port(|| {
-        let (p, r) = (free_port_pair(), free_port_pair());
-        let mut args = base_args(&[&e0, &e1]);
-        args.extend(publish_args(
-            &format!("tcp://127.0.0.1:{p}"),
-            &format!("tcp://127.0.0.1:{r}"),
-        ));
-        args.extend(["--dp-mode", "metadata"].map(String::from));
-        Bridge::try_start(dir.path(), &ring, &args).map(|b| (p, r, b))
-    });
+    let (p, r, bridge) = two_rank_bridge(dir.path(), &ring, &e0, &e1);
     let ix = Indexer::start(dir.path());
     for rank in 0..2u16 {
         ix.register(
