@@ -93,7 +93,7 @@ impl PathHandler {
         ))
     }
 
-    fn open(
+    async fn open(
         &self,
         req: Request<SubscribeKvEventsRequest>,
     ) -> Result<Response<BatchStream>, Status> {
@@ -105,9 +105,20 @@ impl PathHandler {
         let start = req.get_ref().start_sequence_number;
         // Request field 2: the client takes snapshot chunks (§6.5) and load records (§3.5).
         let wants_load = req.get_ref().load_records_before_first_batch;
-        let sub = self
-            .fanout
-            .subscribe(self.path, start, rank.as_deref(), wants_load)?;
+        // A subscriber from 0 may be sent a snapshot, and building one copies the block table
+        // (tens of milliseconds for a million blocks, behind any ZMQ replay copying it): that
+        // runs on a blocking thread, not on a worker that serves other streams meanwhile.
+        let sub = if start == 0 && self.fanout.snapshots().is_some() {
+            let (fanout, path) = (self.fanout.clone(), self.path);
+            tokio::task::spawn_blocking(move || {
+                fanout.subscribe(path, start, rank.as_deref(), wants_load)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("opening the subscription failed: {e}")))??
+        } else {
+            self.fanout
+                .subscribe(self.path, start, rank.as_deref(), wants_load)?
+        };
         tracing::debug!(path = self.path, start, "subscription opened");
         // Everything a delivery touches is resolved once here and moved through the stream's
         // state: no label look-up, no reference-count traffic per delivered batch.
@@ -175,7 +186,7 @@ macro_rules! impl_path {
                 &self,
                 request: Request<SubscribeKvEventsRequest>,
             ) -> Result<Response<BatchStream>, Status> {
-                self.open(request)
+                self.open(request).await
             }
         }
     };

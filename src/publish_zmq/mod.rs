@@ -410,6 +410,12 @@ impl Publisher {
         let published = self.metrics.published.with_label_values(&[&rank]);
         let bytes = self.metrics.published_bytes.with_label_values(&[&rank]);
         let mut reader = self.hub.reader();
+        // No busy-spin before the futex sleep: what follows a record here is a hand-off to this
+        // context's ZMQ I/O thread, and on a small machine a spinning reader takes the CPU that
+        // thread (and the subscribers) need. Measured in `kvbridge bench --zmq-subscribers 10`
+        // on 2 cores, three runs each way: p50 over the floor 1.26–1.30× without the spin,
+        // 1.35–1.39× with it, and 10–20 % less CPU per published record.
+        reader.set_spin(Duration::ZERO);
         // Live from now on: earlier records are what replay is for.
         let mut next = self.hub.newest() + 1;
         let _ = reader.seek(next);
