@@ -216,6 +216,58 @@ impl ZmqMetrics {
     }
 }
 
+/// Why the live publisher sent an `AllBlocksCleared` in place of ring records (the `cause` of
+/// `kvbridge_zmq_cleared_total`).
+#[derive(Clone, Copy, Debug)]
+enum ClearCause {
+    RingLapped,
+    Corrupt,
+    RingReplaced,
+    Undecodable,
+}
+
+impl ClearCause {
+    const ALL: [ClearCause; 4] = [
+        ClearCause::RingLapped,
+        ClearCause::Corrupt,
+        ClearCause::RingReplaced,
+        ClearCause::Undecodable,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            ClearCause::RingLapped => "ring_lapped",
+            ClearCause::Corrupt => "corrupt",
+            ClearCause::RingReplaced => "ring_replaced",
+            ClearCause::Undecodable => "undecodable",
+        }
+    }
+}
+
+impl ZmqMetrics {
+    /// Creates every series of rank `rank` at zero, so that a dashboard shows the edge before its
+    /// first event and an alert's `increase()` counts the first clear or refused replay (a series
+    /// that appears at 1 has no earlier sample to increase from).
+    fn init_rank(&self, rank: u32, replay: bool) {
+        let r = rank.to_string();
+        self.published.with_label_values(&[&r]);
+        self.published_bytes.with_label_values(&[&r]);
+        for cause in ClearCause::ALL {
+            self.cleared.with_label_values(&[&r, cause.label()]);
+        }
+        if replay {
+            for outcome in replay::Outcome::ALL {
+                self.replay_requests
+                    .with_label_values(&[&r, outcome.label()]);
+            }
+            self.snapshot_replays.with_label_values(&[&r]);
+            self.replay_bytes.with_label_values(&[&r]);
+            self.replays_active.with_label_values(&[&r]);
+            self.replays_queued.with_label_values(&[&r]);
+        }
+    }
+}
+
 /// What one rank's edge reads.
 pub struct RankSource {
     /// Engine DP rank (sets the port offset and the batch's rank).
@@ -308,6 +360,7 @@ impl ZmqPublisher {
                 replay = %router.as_ref().map_or("off", |(_, a)| a.as_str()),
                 ring = r.hub.label(), layout = ?cfg.layout, topic = %topic,
                 "publishing on the engine ZMQ wire");
+            zm.init_rank(r.rank, router.is_some());
             bound.push((r.rank, pub_at, router.as_ref().map(|(_, a)| a.clone())));
             sockets.push((pub_sock, router));
         }
@@ -424,7 +477,7 @@ impl Publisher {
         while !self.stop.load(Ordering::Relaxed) && self.hub.failure().is_none() {
             if reader.position() != next {
                 if let Err(SeekError::TooOld { oldest, .. }) = reader.seek(next) {
-                    self.clear(oldest - 1, "ring_lapped", &mut payload);
+                    self.clear(oldest - 1, ClearCause::RingLapped, &mut payload);
                     next = oldest;
                     continue;
                 }
@@ -438,20 +491,24 @@ impl Publisher {
                     seq
                 }
                 ReadOutcome::Lapped { resume_at, .. } => {
-                    self.clear(resume_at - 1, "ring_lapped", &mut payload);
+                    self.clear(resume_at - 1, ClearCause::RingLapped, &mut payload);
                     next = resume_at;
                     continue;
                 }
                 ReadOutcome::Corrupt { seq, resume_at } => {
                     self.hub.note_corrupt(seq);
-                    self.clear(seq, "corrupt", &mut payload);
+                    self.clear(seq, ClearCause::Corrupt, &mut payload);
                     next = resume_at;
                     continue;
                 }
                 ReadOutcome::Empty | ReadOutcome::WriterGone => continue,
                 ReadOutcome::RingReset { .. } => {
                     next = reader.position();
-                    self.clear(next.saturating_sub(1), "ring_replaced", &mut payload);
+                    self.clear(
+                        next.saturating_sub(1),
+                        ClearCause::RingReplaced,
+                        &mut payload,
+                    );
                     continue;
                 }
                 ReadOutcome::Truncated => break,
@@ -462,7 +519,7 @@ impl Publisher {
             {
                 self.metrics
                     .cleared
-                    .with_label_values(&[&rank, "undecodable"])
+                    .with_label_values(&[&rank, ClearCause::Undecodable.label()])
                     .inc();
             }
             self.send(seq, &payload);
@@ -472,7 +529,8 @@ impl Publisher {
     }
 
     /// Publishes an `AllBlocksCleared` numbered `seq` for records this reader could not read.
-    fn clear(&self, seq: u64, cause: &str, payload: &mut Vec<u8>) {
+    fn clear(&self, seq: u64, cause: ClearCause, payload: &mut Vec<u8>) {
+        let cause = cause.label();
         tracing::warn!(rank = self.rank, seq, cause,
             "ring records were never published on the ZMQ wire: publishing an AllBlocksCleared in their place");
         self.metrics

@@ -66,6 +66,49 @@ pub(super) fn configure(s: &zmq::Socket, hub: &RingHub) -> zmq::Result<()> {
     Ok(())
 }
 
+/// How a replay request ended (the `outcome` of `kvbridge_zmq_replay_requests_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    /// start … newest from the ring.
+    Window,
+    /// The rank's state (snapshot or clear), then the ring.
+    State,
+    /// A start beyond newest: the end marker only.
+    Future,
+    /// The peer left, or the ring overwrote the tail, mid-replay: no end marker.
+    Incomplete,
+    /// The peer read nothing for [`STALL`].
+    Stalled,
+    /// Not `["", 8 bytes]`: dropped.
+    Malformed,
+    /// Every slot and the queue full: dropped unanswered.
+    Busy,
+}
+
+impl Outcome {
+    pub(super) const ALL: [Outcome; 7] = [
+        Outcome::Window,
+        Outcome::State,
+        Outcome::Future,
+        Outcome::Incomplete,
+        Outcome::Stalled,
+        Outcome::Malformed,
+        Outcome::Busy,
+    ];
+
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            Outcome::Window => "window",
+            Outcome::State => "state",
+            Outcome::Future => "future",
+            Outcome::Incomplete => "incomplete",
+            Outcome::Stalled => "stalled",
+            Outcome::Malformed => "malformed",
+            Outcome::Busy => "busy",
+        }
+    }
+}
+
 struct Request {
     id: Vec<u8>,
     start: u64,
@@ -86,7 +129,7 @@ struct Replay {
     full_since: Option<std::time::Instant>,
     /// An `AllBlocksCleared` to send first (no table), numbered so.
     clear_first: Option<u64>,
-    outcome: &'static str,
+    outcome: Outcome,
 }
 
 enum Step {
@@ -139,10 +182,10 @@ impl Server {
         }
     }
 
-    fn count(&self, outcome: &str) {
+    fn count(&self, outcome: Outcome) {
         self.metrics
             .replay_requests
-            .with_label_values(&[&self.label, outcome])
+            .with_label_values(&[&self.label, outcome.label()])
             .inc();
     }
 
@@ -177,7 +220,7 @@ impl Server {
                             rank = self.rank,
                             "ZMQ replay given up: the peer read nothing for 10 s"
                         );
-                        self.count("stalled");
+                        self.count(Outcome::Stalled);
                         self.active.swap_remove(i);
                     }
                     Step::Blocked => i += 1,
@@ -203,7 +246,7 @@ impl Server {
             match frames.as_slice() {
                 [id, empty, start] if empty.is_empty() && start.len() == 8 => {
                     if self.queue.len() >= MAX_QUEUED {
-                        self.count("busy");
+                        self.count(Outcome::Busy);
                         continue;
                     }
                     let start = u64::from_be_bytes(start[..].try_into().expect("8 bytes"));
@@ -213,7 +256,7 @@ impl Server {
                     });
                 }
                 _ => {
-                    self.count("malformed");
+                    self.count(Outcome::Malformed);
                     tracing::debug!(
                         rank = self.rank,
                         frames = frames.len(),
@@ -254,12 +297,12 @@ impl Server {
                 held: None,
                 full_since: None,
                 clear_first: None,
-                outcome: "window",
+                outcome: Outcome::Window,
             };
             if start > newest {
-                r.outcome = "future";
+                r.outcome = Outcome::Future;
             } else if needs_state {
-                r.outcome = "state";
+                r.outcome = Outcome::State;
                 match self.snapshot() {
                     Some(c) => {
                         self.metrics
@@ -377,7 +420,7 @@ impl Server {
                 Ok(None) => (END_SEQ, Vec::new()),
                 Err(why) => {
                     tracing::debug!(rank = self.rank, why, "ZMQ replay ended incomplete");
-                    self.count("incomplete");
+                    self.count(Outcome::Incomplete);
                     return Step::Done;
                 }
             };
@@ -408,7 +451,7 @@ impl Server {
                 Err(e) => {
                     // EHOSTUNREACH: the peer is gone.
                     tracing::debug!(rank = self.rank, error = %e, "ZMQ replay peer gone");
-                    self.count("incomplete");
+                    self.count(Outcome::Incomplete);
                     return Step::Done;
                 }
             }

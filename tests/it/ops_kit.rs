@@ -4,7 +4,8 @@
 //!   (`ops/prometheus/kvbridge-rules.yml`) query is on `/metrics` of a running kvbridge (fails on
 //!   a typo in either, and on a metric renamed in the code). The bridge runs with every output
 //!   that has metrics of its own: sidecar mode in front of the test engine gRPC server, a NATS
-//!   JetStream sink (a real `nats-server`, `scripts/nats-server.sh`), snapshots, and is driven
+//!   JetStream sink (a real `nats-server`, `scripts/nats-server.sh`), snapshots, the engine ZMQ
+//!   wire with replay (`--publish-zmq`, its series created at zero at start), and is driven
 //!   through a gap, an undecodable batch and dropped frames, a subscriber and a forwarded call.
 //!
 //! The rules' own behaviour (each alert firing and staying quiet) is unit-tested by
@@ -164,6 +165,10 @@ async fn every_metric_the_dashboard_and_the_alerts_query_is_served() {
         "1",
         "--nats-max-age",
         "1h",
+        "--publish-zmq",
+        "tcp://127.0.0.1:0",
+        "--publish-zmq-replay",
+        "tcp://127.0.0.1:0",
     ]
     .map(String::from)
     .to_vec();
@@ -225,6 +230,7 @@ async fn every_metric_the_dashboard_and_the_alerts_query_is_served() {
             && metric(p, "kvbridge_replays_total", &[("outcome", "succeeded")]) >= 1.0
             && metric(p, "kvbridge_decode_errors_total", &[]) >= 1.0
             && metric(p, "kvbridge_frames_dropped_total", &[]) >= 1.0
+            && metric(p, "kvbridge_zmq_published_total", &[]) >= 12.0
     });
     let served = served_names(&page);
     let missing = |wanted: &BTreeSet<String>| -> Vec<String> {
@@ -346,24 +352,53 @@ fn command_line(c: &serde_yaml::Value) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn the_kubernetes_pod_passes_kvbridge_flags_it_accepts_and_probes_its_health_port() {
-    let flags = serve_flags();
-    let file = common::repo().join("ops/k8s/kvbridge-sidecar.yaml");
+/// The Pod in `ops/k8s/FILE`, its `kvbridge serve` container and that container's flags (each
+/// one `kvbridge serve` accepts).
+fn k8s_pod(
+    file: &str,
+    flags: &std::collections::BTreeMap<String, bool>,
+) -> (
+    serde_yaml::Value,
+    serde_yaml::Value,
+    std::collections::BTreeMap<String, String>,
+) {
+    let path = common::repo().join("ops/k8s").join(file);
     let pod: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(&file).unwrap()).expect("valid YAML");
-    assert_eq!(pod["kind"].as_str(), Some("Pod"));
-    let containers = pod["spec"]["containers"].as_sequence().expect("containers");
-    let kvb = containers
+        serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).expect("valid YAML");
+    assert_eq!(pod["kind"].as_str(), Some("Pod"), "{file}");
+    let kvb = pod["spec"]["containers"]
+        .as_sequence()
+        .expect("containers")
         .iter()
         .find(|c| command_line(c).starts_with(&["kvbridge".into(), "serve".into()]))
-        .expect("a container running `kvbridge serve`");
-    let given = check_serve_args("the kvbridge container", &command_line(kvb)[2..], &flags);
+        .expect("a container running `kvbridge serve`")
+        .clone();
+    let given = check_serve_args(file, &command_line(&kvb)[2..], flags);
+    (pod, kvb, given)
+}
 
-    // Engine on loopback, kvbridge on the worker port, its probes on that port (gRPC health).
-    let port = |addr: &str| -> u64 { addr.rsplit(':').next().unwrap().parse().unwrap() };
-    assert!(given["engine-grpc"].starts_with("127.0.0.1:"), "{given:?}");
-    let grpc_port = port(&given["grpc"]);
+/// The port of `HOST:PORT` or `tcp://HOST:PORT`.
+fn port_of(addr: &str) -> u64 {
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The container's declared ports.
+fn container_ports(c: &serde_yaml::Value) -> Vec<u64> {
+    c["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["containerPort"].as_u64())
+        .collect()
+}
+
+/// Startup, readiness and liveness probes are gRPC health probes on `--grpc`'s port, which the
+/// container declares with the metrics port.
+fn assert_health_probes(
+    kvb: &serde_yaml::Value,
+    given: &std::collections::BTreeMap<String, String>,
+) {
+    let grpc_port = port_of(&given["grpc"]);
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
         assert_eq!(
             kvb[probe]["grpc"]["port"].as_u64(),
@@ -371,14 +406,21 @@ fn the_kubernetes_pod_passes_kvbridge_flags_it_accepts_and_probes_its_health_por
             "{probe} is a gRPC probe on --grpc's port"
         );
     }
-    let ports: Vec<u64> = kvb["ports"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .filter_map(|p| p["containerPort"].as_u64())
-        .collect();
+    let ports = container_ports(kvb);
     assert!(ports.contains(&grpc_port), "{ports:?}");
-    assert!(ports.contains(&port(&given["metrics"])), "{ports:?}");
+    assert!(ports.contains(&port_of(&given["metrics"])), "{ports:?}");
+}
+
+#[test]
+fn the_kubernetes_pod_passes_kvbridge_flags_it_accepts_and_probes_its_health_port() {
+    let flags = serve_flags();
+    let (pod, kvb, given) = k8s_pod("kvbridge-sidecar.yaml", &flags);
+    let containers = pod["spec"]["containers"].as_sequence().unwrap();
+    let kvb = containers.iter().find(|c| **c == kvb).unwrap();
+
+    // Engine on loopback, kvbridge on the worker port, its probes on that port (gRPC health).
+    assert!(given["engine-grpc"].starts_with("127.0.0.1:"), "{given:?}");
+    assert_health_probes(kvb, &given);
 
     // The ring on an in-memory emptyDir, mounted read-only by a reader container.
     let shm = Path::new(&given["shm"]);
@@ -412,6 +454,80 @@ fn the_kubernetes_pod_passes_kvbridge_flags_it_accepts_and_probes_its_health_por
         command_line(reader.0).join(" ").contains(&*given["shm"]),
         "the reader opens the ring at --shm"
     );
+}
+
+/// The Dynamo / llm-d Pod: kvbridge publishes on the engine's usual ports (PORT + rank, replay
+/// REPLAY + rank, each declared), the engine publishes on loopback ports kvbridge reads from the
+/// same `--kv-events-config`, and the two sets of ports do not meet.
+#[test]
+fn the_kubernetes_zmq_feed_pod_takes_the_engines_ports_and_moves_the_engine_to_loopback() {
+    let flags = serve_flags();
+    let (pod, kvb, given) = k8s_pod("kvbridge-zmq-feed.yaml", &flags);
+    assert_health_probes(&kvb, &given);
+    let engine = pod["spec"]["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| **c != kvb)
+        .expect("the engine's container");
+    let engine_args = command_line(engine);
+    let arg_after = |flag: &str| -> String {
+        let i = engine_args
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("the engine has {flag}"));
+        engine_args[i + 1].clone()
+    };
+    assert_eq!(
+        arg_after("--kv-events-config"),
+        given["kv-events-config"],
+        "kvbridge reads the engine's own --kv-events-config"
+    );
+    let ranks: u64 = given["data-parallel-size"].parse().unwrap();
+    assert_eq!(
+        arg_after("--data-parallel-size"),
+        given["data-parallel-size"]
+    );
+    if ranks > 1 {
+        assert_eq!(
+            given["dp-mode"], "metadata",
+            "a ring, and a numbering, per rank"
+        );
+    }
+    let cfg: serde_json::Value = serde_json::from_str(&given["kv-events-config"]).unwrap();
+    let engine_ports: Vec<u64> = ["endpoint", "replay_endpoint"]
+        .iter()
+        .map(|k| {
+            let e = cfg[k].as_str().unwrap();
+            assert!(
+                e.starts_with("tcp://127.0.0.1:"),
+                "the engine's {k} is on loopback: {e}"
+            );
+            port_of(e)
+        })
+        .collect();
+    let declared = container_ports(&kvb);
+    for flag in ["publish-zmq", "publish-zmq-replay"] {
+        let p = port_of(&given[flag]);
+        assert!(
+            given[flag].starts_with("tcp://*:"),
+            "--{flag} on every interface"
+        );
+        for r in 0..ranks {
+            assert!(
+                declared.contains(&(p + r)),
+                "--{flag}: port {} of rank {r} declared",
+                p + r
+            );
+            for e in &engine_ports {
+                assert!(
+                    (*e..*e + ranks).all(|q| q != p + r),
+                    "--{flag} port {} is also an engine port",
+                    p + r
+                );
+            }
+        }
+    }
 }
 
 #[test]
