@@ -6,7 +6,8 @@
 
 Each run is two benches, each starting its own bridge:
   * the ZMQ column: 10 SUBs on the bridge's --publish-zmq and, in the same run, 10 SUBs on a bare
-    ZMQ relay of the same engine messages (the floor); commit → subscriber latency of both;
+    ZMQ relay process of the same engine messages (the floor); commit → subscriber latency of
+    both, and the CPU per record of each whole process;
   * the alternation (--zmq-alternate PAIRS): the gRPC column (one subscriber on one connection:
     one gateway) in 2 × PAIRS windows, alternately with no ZMQ subscriber and with 10 reading.
     Per run: the medians with / without, and the noise: how far apart the windows *without* ZMQ
@@ -23,11 +24,19 @@ _spec.loader.exec_module(perf_table)
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
+# The column: no gRPC subscriber, so that the bridge's CPU is ingest, ring and this edge, as the
+# relay's is a SUB and a PUB; one shm reader for the `ring` row (commit -> a reader asleep on the
+# ring's futex: the wake-up the edge's publisher thread also takes).
+COLUMN = ["--subscribers", "0", "--shm-readers", "1"]
+# The alternation: one gRPC subscriber on one connection (one gateway).
+ALTERNATION = ["--subscribers", "1", "--shm-readers", "0", "--zmq-alternate"]
+
+
 def bench(binary, seconds, extra):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         load = os.getloadavg()[0]
         cmd = [binary, "bench", "--rate", "1000", "--duration", str(seconds), "--warmup", "2",
-               "--subscribers", "1", "--zmq-subscribers", "10", "--json", f.name] + extra
+               "--zmq-subscribers", "10", "--json", f.name] + extra
         print("+", " ".join(cmd), f"(load {load:.1f})", file=sys.stderr)
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         return load, json.load(open(f.name))
@@ -43,15 +52,18 @@ def main():
     a = ap.parse_args()
     column, alternation = [], []
     for run in range(1, a.runs + 1):
-        load, r = bench(a.binary, a.seconds, ["--shm-readers", "1"])
+        load, r = bench(a.binary, a.seconds, COLUMN)
         z = r["zmq"]
         b, f = z["bridge"], z["floor"]
+        bc, fc = z["bridge_cpu_us_per_record"], z["floor_cpu_us_per_record"]
         column.append([str(run), load,
                        [b["latency"]["p50_us"], b["latency"]["p99_us"]],
                        [f["latency"]["p50_us"], f["latency"]["p99_us"]],
                        [b["latency"]["p50_us"] / f["latency"]["p50_us"], b["latency"]["p99_us"] / f["latency"]["p99_us"]],
+                       [bc, fc, bc / fc],
+                       r["shm_ring_latency"]["p50_us"],
                        [b["delivery"]["delivered"], b["delivery"]["lost"], f["delivery"]["lost"]]])
-        load, r = bench(a.binary, a.seconds, ["--shm-readers", "0", "--zmq-alternate", str(a.pairs)])
+        load, r = bench(a.binary, a.seconds, ALTERNATION + [str(a.pairs)])
         ws = r["zmq_alternation"]
         for i, w in enumerate(ws):
             alternation.append([f"{run}.{i + 1}", load, w["zmq_subscribers"],
@@ -75,17 +87,19 @@ def main():
         "zmq-vs-floor.json": dict(
             title="commit → ZMQ subscriber latency, kvbridge --publish-zmq vs a bare ZMQ relay (same run)",
             command=f"scripts/zmq-perf.py --runs {a.runs} --seconds {a.seconds} (kvbridge bench --rate 1000 "
-                    f"--duration {a.seconds} --subscribers 1 --shm-readers 1 --zmq-subscribers 10)",
+                    f"--duration {a.seconds} --zmq-subscribers 10 {' '.join(COLUMN)})",
             columns=[{"name": "run"}, {"name": "load average", "format": "{:.1f}"},
                      {"name": "zmq p50 / p99 µs", "format": "{:.0f} / {:.0f}"},
                      {"name": "floor p50 / p99 µs", "format": "{:.0f} / {:.0f}"},
                      {"name": "ratio p50 / p99", "format": "{:.2f}× / {:.2f}×"},
+                     {"name": "CPU µs per record: bridge / relay (ratio)", "format": "{:.0f} / {:.0f} ({:.2f}×)"},
+                     {"name": "ring wake p50 µs", "format": "{:.0f}"},
                      {"name": "zmq delivered / lost / floor lost", "format": "{:,} / {} / {}"}],
             rows=column, **common),
         "zmq-grpc-alternation.json": dict(
             title="gRPC subscriber latency without and with 10 ZMQ subscribers, alternating windows (same run)",
             command=f"scripts/zmq-perf.py --runs {a.runs} --seconds {a.seconds} (kvbridge bench --rate 1000 "
-                    f"--duration {a.seconds} --subscribers 1 --shm-readers 0 --zmq-subscribers 10 --zmq-alternate {a.pairs})",
+                    f"--duration {a.seconds} --zmq-subscribers 10 {' '.join(ALTERNATION)} {a.pairs})",
             columns=[{"name": "run.window"}, {"name": "load average", "format": "{:.1f}"},
                      {"name": "ZMQ SUBs", "format": "{}"},
                      {"name": "gRPC p50 / p99 / p99.9 µs", "format": "{:.0f} / {:.0f} / {:,.0f}"},

@@ -113,7 +113,8 @@ fn bench_floor_reports_both_senders_without_loss() {
 }
 
 /// `kvbridge bench --zmq-subscribers`: the `--publish-zmq` column and its bare-relay floor, both
-/// read by the same number of SUBs in the same run, each delivering every batch to every SUB.
+/// read by the same number of SUBs in the same run, each delivering every batch to every SUB, and
+/// the CPU per record of the bridge and of the relay process.
 #[test]
 fn bench_zmq_column_reports_the_bridge_and_its_floor() {
     let dir = tempfile::tempdir().unwrap();
@@ -154,6 +155,11 @@ fn bench_zmq_column_reports_the_bridge_and_its_floor() {
             "{col}: {delivered} of 2 × {published}"
         );
         assert!(c["latency"]["p99_us"].as_f64().unwrap() > 0.0, "{col}: {c}");
+    }
+    // CPU per record of each whole process (the relay is a process of its own, as the bridge).
+    for key in ["bridge_cpu_us_per_record", "floor_cpu_us_per_record"] {
+        let v = z[key].as_f64().unwrap_or_else(|| panic!("{key}: {z}"));
+        assert!(v > 0.0 && v < 1e6, "{key}: {v}");
     }
 }
 

@@ -1,10 +1,11 @@
 //! The ZMQ-subscriber column of `kvbridge bench --zmq-subscribers N`: N SUBs on the bridge's
 //! `--publish-zmq` PUB, and, in the same run, the floor: the same engine batches through a bare
-//! relay (one SUB on the bench's engine PUB re-sending every message unchanged on a PUB of its
-//! own, no decoding, no ring) to N more SUBs. Both paths have the same two ZMQ hops (engine →
-//! bridge or relay → subscriber); what the bridge adds is decode, ring commit, ring read and the
-//! msgpack re-encoding. Latency is measured from each batch's scheduled send time (its `ts`), as
-//! for the other columns.
+//! relay process (`kvbridge bench-zmq-relay`: one SUB on the bench's engine PUB re-sending every
+//! message unchanged on a PUB of its own, no decoding, no ring) to N more SUBs. Both paths have
+//! the same two ZMQ hops (engine → bridge or relay → subscriber) and the same process shape;
+//! what the bridge adds is decode, ring commit, ring read and the msgpack re-encoding. Latency
+//! is measured from each batch's scheduled send time (its `ts`), as for the other columns; CPU
+//! per record over the measured window, of each whole process.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,7 +14,6 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use super::proc_stats::thread_cpu_seconds;
 use super::{Delivery, Latency};
 
 /// One path's figures.
@@ -34,7 +34,10 @@ pub struct ZmqResult {
     pub bridge: ZmqColumn,
     /// Through the bare relay.
     pub floor: ZmqColumn,
-    /// CPU the relay thread used per message it relayed (µs): the floor's cost per record.
+    /// CPU the whole bridge process used per published record (µs), over the measured window.
+    pub bridge_cpu_us_per_record: Option<f64>,
+    /// CPU the whole relay process used per message it relayed (µs), over the same window: the
+    /// floor's cost per record.
     pub floor_cpu_us_per_record: Option<f64>,
 }
 
@@ -53,52 +56,113 @@ struct SubOut {
     delivery: Delivery,
 }
 
-/// The floor's relay: a SUB on `engine_pub` re-sending every message unchanged on a PUB of its
-/// own (returned: its thread, counting what it relayed and its CPU while `measuring`, and the
-/// PUB's endpoint).
-fn start_relay(
-    ctx: &zmq::Context,
-    engine_pub: &str,
-    stop: Arc<AtomicBool>,
-    measuring: Arc<AtomicBool>,
-) -> Result<(std::thread::JoinHandle<(u64, f64)>, String), String> {
+/// The floor's relay process (`kvbridge bench-zmq-relay`, the bench binary re-run, a process
+/// of its own as the bridge is): a SUB on `connect` re-sending every message unchanged on a PUB
+/// it binds on loopback. It prints that PUB's endpoint, then relays until its stdin closes, and
+/// then prints `relayed N cpu S`: the messages it relayed and the CPU its whole process used
+/// (its ZMQ I/O thread included) while the wall clock was inside `from_unix` + `window`.
+pub fn run_relay(connect: &str, from_unix: f64, window: Duration) -> Result<(), String> {
+    use std::io::Write;
     let e = |e: zmq::Error| e.to_string();
+    let ctx = zmq::Context::new();
     let rsub = ctx.socket(zmq::SUB).map_err(e)?;
     rsub.set_subscribe(b"").map_err(e)?;
     rsub.set_rcvhwm(100_000).map_err(e)?;
     rsub.set_rcvtimeo(100).map_err(e)?;
-    rsub.connect(engine_pub).map_err(e)?;
+    rsub.connect(connect).map_err(e)?;
     let rpub = ctx.socket(zmq::PUB).map_err(e)?;
     rpub.set_sndhwm(100_000).map_err(e)?;
     rpub.bind("tcp://127.0.0.1:*").map_err(e)?;
-    let floor_ep = rpub
+    let ep = rpub
         .get_last_endpoint()
         .map_err(e)?
         .map_err(|_| "relay endpoint".to_string())?;
-    let (st, m) = (stop, measuring);
-    let relay = std::thread::spawn(move || {
-        let (mut relayed, mut cpu, mut cpu0) = (0u64, 0.0, None);
-        while !st.load(Ordering::Relaxed) {
-            let measuring = m.load(Ordering::Relaxed);
-            match (measuring, cpu0) {
-                (true, None) => cpu0 = Some(thread_cpu_seconds()),
-                (false, Some(c)) => {
-                    cpu = thread_cpu_seconds() - c;
-                    cpu0 = None;
-                }
-                _ => {}
-            }
-            let Ok(f) = rsub.recv_multipart(0) else {
-                continue;
-            };
-            let _ = rpub.send_multipart(f, 0);
-            if measuring {
-                relayed += 1;
-            }
-        }
-        (relayed, cpu)
+    println!("{ep}");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    // The parent closes stdin when the column is done.
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = stop.clone();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        st.store(true, Ordering::SeqCst);
     });
-    Ok((relay, floor_ep))
+    let process_cpu = || {
+        let ts = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+        ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+    };
+    let until = from_unix + window.as_secs_f64();
+    let (mut relayed, mut cpu0, mut cpu) = (0u64, None, None);
+    while !stop.load(Ordering::Relaxed) {
+        let now = kvbridge::clock::unix_seconds();
+        let inside = now >= from_unix && now < until;
+        match cpu0 {
+            None if inside => cpu0 = Some(process_cpu()),
+            Some(c) if now >= until && cpu.is_none() => cpu = Some(process_cpu() - c),
+            _ => {}
+        }
+        let Ok(f) = rsub.recv_multipart(0) else {
+            continue;
+        };
+        let _ = rpub.send_multipart(f, 0);
+        if inside {
+            relayed += 1;
+        }
+    }
+    println!("relayed {relayed} cpu {}", cpu.unwrap_or(0.0));
+    Ok(())
+}
+
+/// The running relay process.
+struct Relay {
+    child: std::process::Child,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Relay {
+    /// Starts the relay on `engine_pub`, measuring over `from_unix` + `window`; returns it and
+    /// the endpoint of its PUB.
+    fn spawn(
+        engine_pub: &str,
+        from_unix: f64,
+        window: Duration,
+    ) -> Result<(Relay, String), String> {
+        use std::io::BufRead;
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = std::process::Command::new(exe)
+            .args(["bench-zmq-relay", "--connect", engine_pub])
+            .args(["--from-unix", &format!("{from_unix:.6}")])
+            .args(["--window-ms", &window.as_millis().to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the floor's relay: {e}"))?;
+        let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
+        let mut ep = String::new();
+        stdout
+            .read_line(&mut ep)
+            .map_err(|e| format!("the floor's relay: {e}"))?;
+        if ep.trim().is_empty() {
+            let _ = child.wait();
+            return Err("the floor's relay exited before binding its PUB".into());
+        }
+        Ok((Relay { child, stdout }, ep.trim().to_string()))
+    }
+
+    /// Stops it; returns what it relayed in the window and the CPU it used meanwhile (s).
+    fn finish(mut self) -> Option<(u64, f64)> {
+        use std::io::BufRead;
+        drop(self.child.stdin.take());
+        let mut line = String::new();
+        let _ = self.stdout.read_line(&mut line);
+        let _ = self.child.wait();
+        let mut w = line.split_whitespace();
+        match (w.next(), w.next(), w.next(), w.next()) {
+            (Some("relayed"), Some(n), Some("cpu"), Some(c)) => {
+                Some((n.parse().ok()?, c.parse().ok()?))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The running subscribers and relay.
@@ -106,7 +170,7 @@ pub struct ZmqReaders {
     stop: Arc<AtomicBool>,
     bridge: Vec<std::thread::JoinHandle<SubOut>>,
     floor: Vec<std::thread::JoinHandle<SubOut>>,
-    relay: Option<std::thread::JoinHandle<(u64, f64)>>,
+    relay: Option<Relay>,
 }
 
 fn subscriber(
@@ -156,20 +220,20 @@ fn subscriber(
 }
 
 impl ZmqReaders {
-    /// Starts `n` SUBs on `bridge_pub` and, with `engine_pub`, the relay on it and `n` SUBs on
-    /// the relay (the floor).
+    /// Starts `n` SUBs on `bridge_pub` and, with `floor` (the engine's PUB and the measured
+    /// window: its start as Unix time, its length), the relay on it and `n` SUBs on the relay.
     pub fn start(
         ctx: &zmq::Context,
         n: usize,
         bridge_pub: &str,
-        engine_pub: Option<&str>,
+        floor: Option<(&str, f64, Duration)>,
         measuring: Arc<AtomicBool>,
     ) -> Result<ZmqReaders, String> {
         let stop = Arc::new(AtomicBool::new(false));
-        let (relay, floor_ep) = match engine_pub {
-            Some(engine_pub) => {
-                let (t, ep) = start_relay(ctx, engine_pub, stop.clone(), measuring.clone())?;
-                (Some(t), Some(ep))
+        let (relay, floor_ep) = match floor {
+            Some((engine_pub, from_unix, window)) => {
+                let (r, ep) = Relay::spawn(engine_pub, from_unix, window)?;
+                (Some(r), Some(ep))
             }
             None => (None, None),
         };
@@ -217,20 +281,21 @@ impl ZmqReaders {
         let subscribers = self.bridge.len();
         let bridge = merge(self.bridge);
         let floor = merge(self.floor);
-        let (relayed, cpu) = self.relay.and_then(|r| r.join().ok()).unwrap_or((0, 0.0));
+        let (relayed, cpu) = self.relay.and_then(Relay::finish).unwrap_or((0, 0.0));
         ZmqResult {
             subscribers,
             bridge,
             floor,
+            bridge_cpu_us_per_record: None,
             floor_cpu_us_per_record: (relayed > 0 && cpu > 0.0).then(|| cpu * 1e6 / relayed as f64),
         }
     }
 }
 
-/// The column as table rows, with the bridge's CPU per published record when known.
-pub fn table(r: &ZmqResult, bridge_cpu_us_per_record: Option<f64>) -> String {
+/// The column as table rows.
+pub fn table(r: &ZmqResult) -> String {
     let mut s = format!(
-        "zmq: {} SUBs on --publish-zmq, {} on a bare relay of the same engine messages (the floor)\n",
+        "zmq: {} SUBs on --publish-zmq, {} on a bare relay process of the same engine messages (the floor)\n",
         r.subscribers, r.subscribers
     );
     s += "path        delivered      lost  dup     p50 µs     p99 µs   p99.9 µs     max µs\n";
@@ -246,20 +311,18 @@ pub fn table(r: &ZmqResult, bridge_cpu_us_per_record: Option<f64>) -> String {
             c.latency.max_us
         );
     }
-    let ratio = |a: f64, b: f64| {
-        if b > 0.0 {
-            format!("{:.2}×", a / b)
-        } else {
-            "-".into()
-        }
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+        _ => "-".into(),
     };
+    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     s += &format!(
-        "zmq vs floor: p50 {}, p99 {}; CPU per published record: the whole bridge {} µs, the relay thread {} µs (ZMQ I/O threads not counted)\n",
-        ratio(r.bridge.latency.p50_us, r.floor.latency.p50_us),
-        ratio(r.bridge.latency.p99_us, r.floor.latency.p99_us),
-        bridge_cpu_us_per_record.map_or("-".into(), |v| format!("{v:.2}")),
-        r.floor_cpu_us_per_record
-            .map_or("-".into(), |v| format!("{v:.2}")),
+        "zmq vs floor: p50 {}, p99 {}; CPU per published record (whole processes, ZMQ I/O threads included): the bridge {} µs, the relay {} µs, {}\n",
+        ratio(Some(r.bridge.latency.p50_us), Some(r.floor.latency.p50_us)),
+        ratio(Some(r.bridge.latency.p99_us), Some(r.floor.latency.p99_us)),
+        us(r.bridge_cpu_us_per_record),
+        us(r.floor_cpu_us_per_record),
+        ratio(r.bridge_cpu_us_per_record, r.floor_cpu_us_per_record),
     );
     s
 }

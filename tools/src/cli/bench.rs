@@ -156,6 +156,22 @@ pub struct BenchFloorArgs {
     sender: bench::floor::FloorSender,
 }
 
+/// `kvbridge bench-zmq-relay` (internal: the floor's relay process of `bench --zmq-subscribers`).
+#[derive(clap::Args, Debug)]
+pub struct BenchZmqRelayArgs {
+    #[arg(long)]
+    connect: String,
+    #[arg(long = "from-unix")]
+    from_unix: f64,
+    #[arg(long = "window-ms")]
+    window_ms: u64,
+}
+
+pub(super) fn run_zmq_relay(a: BenchZmqRelayArgs) -> Result<(), CliError> {
+    bench::zmq_column::run_relay(&a.connect, a.from_unix, Duration::from_millis(a.window_ms))
+        .map_err(CliError::Failed)
+}
+
 pub(super) fn run_floor_sender(a: BenchFloorArgs) -> Result<(), CliError> {
     bench::floor::run_sender(
         &a.connect,
@@ -290,12 +306,12 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     let mut result = result.map_err(CliError::Failed)?;
     print!("{}", bench::table(&result));
     if let Some(z) = zmq_readers {
-        let z = z.finish();
-        let per_record = result
+        let mut z = z.finish();
+        z.bridge_cpu_us_per_record = result
             .bridge_cpu_seconds
             .filter(|_| result.published > 0)
             .map(|c| c * 1e6 / result.published as f64);
-        print!("{}", bench::zmq_column::table(&z, per_record));
+        print!("{}", bench::zmq_column::table(&z));
         result.zmq = Some(z);
     }
     if let (Some(before), Some(after)) = (sink_before, sink_after) {
@@ -513,11 +529,15 @@ fn zmq_column(
     duration: Duration,
 ) -> Result<bench::zmq_column::ZmqReaders, CliError> {
     let measuring = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let from_unix = kvbridge::clock::unix_seconds()
+        + measure_from
+            .saturating_duration_since(Instant::now())
+            .as_secs_f64();
     let r = bench::zmq_column::ZmqReaders::start(
         ctx,
         n,
         bridge_pub,
-        Some(engine_pub),
+        Some((engine_pub, from_unix, duration)),
         measuring.clone(),
     )
     .map_err(CliError::Setup)?;

@@ -22,6 +22,9 @@ pub enum Command {
     /// The sender process of `bench --floor` (internal).
     #[command(hide = true)]
     BenchFloor(bench::BenchFloorArgs),
+    /// The bare ZMQ relay of `bench --zmq-subscribers` (internal).
+    #[command(hide = true)]
+    BenchZmqRelay(bench::BenchZmqRelayArgs),
     /// The bare JetStream publisher of `bench --nats-floor` (internal).
     #[command(hide = true)]
     BenchNatsFloor(bench::BenchNatsFloorArgs),
@@ -36,6 +39,7 @@ impl Command {
             Command::BenchCheckpoints(a) => bench::run_checkpoints(a),
             Command::BenchReader(a) => bench::run_reader(a),
             Command::BenchFloor(a) => bench::run_floor_sender(a),
+            Command::BenchZmqRelay(a) => bench::run_zmq_relay(a),
             Command::BenchNatsFloor(a) => bench::run_nats_floor(a),
         }
     }
