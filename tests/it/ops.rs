@@ -237,6 +237,12 @@ async fn health_flips_with_the_upstream_and_counts_disconnects() {
     let mut args = engine_args(&e);
     args.extend([s("--health-grace-ms"), s("300")]);
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    // SERVING from the start-up grace alone is not the engine's connection (on a busy machine
+    // the grace can end before the engine connects, and NOT_SERVING would then follow without
+    // any disconnect): wait for the connection itself.
+    wait_metrics(maddr, T, |p| {
+        metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) == 1.0
+    });
     wait_health(&bridge.url(), Serving).await;
     // The per-service status follows too.
     {
