@@ -352,29 +352,27 @@ fn command_line(c: &serde_yaml::Value) -> Vec<String> {
         .collect()
 }
 
-/// The Pod in `ops/k8s/FILE`, its `kvbridge serve` container and that container's flags (each
-/// one `kvbridge serve` accepts).
+/// The Pod in `ops/k8s/FILE`, the index of its `kvbridge serve` container among
+/// `spec.containers`, and that container's flags (each one `kvbridge serve` accepts).
 fn k8s_pod(
     file: &str,
     flags: &std::collections::BTreeMap<String, bool>,
 ) -> (
     serde_yaml::Value,
-    serde_yaml::Value,
+    usize,
     std::collections::BTreeMap<String, String>,
 ) {
     let path = common::repo().join("ops/k8s").join(file);
     let pod: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).expect("valid YAML");
     assert_eq!(pod["kind"].as_str(), Some("Pod"), "{file}");
-    let kvb = pod["spec"]["containers"]
-        .as_sequence()
-        .expect("containers")
+    let containers = pod["spec"]["containers"].as_sequence().expect("containers");
+    let i = containers
         .iter()
-        .find(|c| command_line(c).starts_with(&["kvbridge".into(), "serve".into()]))
-        .expect("a container running `kvbridge serve`")
-        .clone();
-    let given = check_serve_args(file, &command_line(&kvb)[2..], flags);
-    (pod, kvb, given)
+        .position(|c| command_line(c).starts_with(&["kvbridge".into(), "serve".into()]))
+        .expect("a container running `kvbridge serve`");
+    let given = check_serve_args(file, &command_line(&containers[i])[2..], flags);
+    (pod, i, given)
 }
 
 /// The port of `HOST:PORT` or `tcp://HOST:PORT`.
@@ -414,9 +412,9 @@ fn assert_health_probes(
 #[test]
 fn the_kubernetes_pod_passes_kvbridge_flags_it_accepts_and_probes_its_health_port() {
     let flags = serve_flags();
-    let (pod, kvb, given) = k8s_pod("kvbridge-sidecar.yaml", &flags);
+    let (pod, i, given) = k8s_pod("kvbridge-sidecar.yaml", &flags);
     let containers = pod["spec"]["containers"].as_sequence().unwrap();
-    let kvb = containers.iter().find(|c| **c == kvb).unwrap();
+    let kvb = &containers[i];
 
     // Engine on loopback, kvbridge on the worker port, its probes on that port (gRPC health).
     assert!(given["engine-grpc"].starts_with("127.0.0.1:"), "{given:?}");
@@ -462,13 +460,14 @@ fn the_kubernetes_pod_passes_kvbridge_flags_it_accepts_and_probes_its_health_por
 #[test]
 fn the_kubernetes_zmq_feed_pod_takes_the_engines_ports_and_moves_the_engine_to_loopback() {
     let flags = serve_flags();
-    let (pod, kvb, given) = k8s_pod("kvbridge-zmq-feed.yaml", &flags);
-    assert_health_probes(&kvb, &given);
-    let engine = pod["spec"]["containers"]
-        .as_sequence()
-        .unwrap()
+    let (pod, i, given) = k8s_pod("kvbridge-zmq-feed.yaml", &flags);
+    let containers = pod["spec"]["containers"].as_sequence().unwrap();
+    let kvb = &containers[i];
+    assert_health_probes(kvb, &given);
+    let engine = containers
         .iter()
-        .find(|c| **c != kvb)
+        .enumerate()
+        .find_map(|(j, c)| (j != i).then_some(c))
         .expect("the engine's container");
     let engine_args = command_line(engine);
     let arg_after = |flag: &str| -> String {
@@ -506,7 +505,7 @@ fn the_kubernetes_zmq_feed_pod_takes_the_engines_ports_and_moves_the_engine_to_l
             port_of(e)
         })
         .collect();
-    let declared = container_ports(&kvb);
+    let declared = container_ports(kvb);
     for flag in ["publish-zmq", "publish-zmq-replay"] {
         let p = port_of(&given[flag]);
         assert!(

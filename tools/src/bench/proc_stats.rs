@@ -10,6 +10,13 @@ pub fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
+/// The calling process's CPU time (s), all its threads, exact to the call
+/// (`CLOCK_PROCESS_CPUTIME_ID`).
+pub fn process_cpu_seconds() -> f64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
 /// Counts a process's system calls (all its threads) over a window, with
 /// `perf stat -e raw_syscalls:sys_enter -p PID`: in-kernel counting, so unlike `strace` it barely
 /// slows the process it watches.

@@ -14,6 +14,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use super::proc_stats::process_cpu_seconds;
 use super::{Delivery, Latency};
 
 /// One path's figures.
@@ -86,18 +87,14 @@ pub fn run_relay(connect: &str, from_unix: f64, window: Duration) -> Result<(), 
         let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
         st.store(true, Ordering::SeqCst);
     });
-    let process_cpu = || {
-        let ts = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-        ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
-    };
     let until = from_unix + window.as_secs_f64();
     let (mut relayed, mut cpu0, mut cpu) = (0u64, None, None);
     while !stop.load(Ordering::Relaxed) {
         let now = kvbridge::clock::unix_seconds();
         let inside = now >= from_unix && now < until;
         match cpu0 {
-            None if inside => cpu0 = Some(process_cpu()),
-            Some(c) if now >= until && cpu.is_none() => cpu = Some(process_cpu() - c),
+            None if inside => cpu0 = Some(process_cpu_seconds()),
+            Some(c) if now >= until && cpu.is_none() => cpu = Some(process_cpu_seconds() - c),
             _ => {}
         }
         let Ok(f) = rsub.recv_multipart(0) else {
