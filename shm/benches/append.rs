@@ -45,6 +45,7 @@ fn bench(c: &mut Criterion) {
                     upstream_seq: 1,
                     flags: 0,
                     ingest_ns: 0,
+                    upstream_digest: 0,
                 });
             })
         });

@@ -107,6 +107,7 @@ fn run(mode: &str, records: u64, gap: Duration) {
             upstream_seq: i,
             flags: if i + 1 == records { FINAL } else { 0 },
             ingest_ns: now_ns(),
+            upstream_digest: 0,
         });
     }
     line.clear();

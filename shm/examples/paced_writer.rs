@@ -53,6 +53,7 @@ fn main() {
             upstream_seq: i as u64,
             flags: 0,
             ingest_ns: now_ns(),
+            upstream_digest: 0,
         };
         w.append(&[0x5a; 64], meta).expect("append");
         if last_beat.elapsed() >= Duration::from_millis(100) {

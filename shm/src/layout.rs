@@ -61,7 +61,7 @@ pub const STATE_RETIRED: u32 = 1;
 
 // --- records -----------------------------------------------------------------
 /// Record header: seq u64 | len u32, kind u32 | upstream_seq u64 |
-/// dp_rank u32, flags u32 | ingest_ns u64 | crc u32, reserved u32.
+/// dp_rank u32, flags u32 | ingest_ns u64 | crc u32, upstream_digest u32.
 pub const RECORD_HEADER_LEN: usize = 48;
 /// u64 in a record: its sequence number (0 in padding).
 pub const REC_OFF_SEQ: usize = 0;
@@ -80,8 +80,10 @@ pub const REC_OFF_INGEST_NS: usize = 32;
 /// u32 in a record: CRC32C of the record's first [`RECORD_CRC_HEADER_LEN`] bytes followed by
 /// its payload (see `record_crc`). Written at commit; checked by readers.
 pub const REC_OFF_CRC: usize = 40;
-/// u32 in a record: reserved, written 0, not covered by the checksum.
-pub const REC_OFF_RESERVED: usize = 44;
+/// u32 in a record: the writer's digest of the upstream input the record came from (kvbridge:
+/// the engine batch's bytes; 0 = none), not covered by the checksum. Readers need not look at
+/// it; a writer uses it to tell, after a restart, what it applied last (LAYOUT.md §4).
+pub const REC_OFF_UPSTREAM_DIGEST: usize = 44;
 /// Header bytes covered by the record checksum: every field before [`REC_OFF_CRC`].
 pub const RECORD_CRC_HEADER_LEN: usize = 40;
 /// Records start at multiples of this.

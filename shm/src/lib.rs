@@ -57,7 +57,7 @@
 //! let mut w = RingWriter::open(path, &WriterOptions { capacity: 1 << 20, ..Default::default() })?;
 //! let mut res = w.reserve(5)?;
 //! res.buf().copy_from_slice(b"hello");
-//! res.commit(RecordMeta { dp_rank: 0, upstream_seq: 7, flags: 0, ingest_ns: 0 });
+//! res.commit(RecordMeta { dp_rank: 0, upstream_seq: 7, flags: 0, ingest_ns: 0, upstream_digest: 0 });
 //!
 //! let mut r = RingReader::open(path)?;
 //! if let ReadOutcome::Record(v) = r.next_blocking(Duration::from_millis(10)) {

@@ -76,6 +76,10 @@ pub struct RecordMeta {
     pub flags: u32,
     /// Ingest timestamp, nanoseconds since the Unix epoch.
     pub ingest_ns: u64,
+    /// The writer's digest of the upstream input this record came from (0: none). Kept beside
+    /// the checksum, not covered by it: it is the writer's own note, so that a restarted writer
+    /// can tell which input it applied last; readers may ignore it.
+    pub upstream_digest: u32,
 }
 
 /// Result of one read attempt.
@@ -247,9 +251,9 @@ impl<'a> Ring<'a> {
         self.word(slot.start + 24)
             .store(meta.dp_rank as u64 | ((meta.flags as u64) << 32), Relaxed);
         self.word(slot.start + 32).store(meta.ingest_ns, Relaxed);
-        // crc u32 | reserved u32 (0).
+        // crc u32 | upstream_digest u32.
         self.word(slot.start + REC_OFF_CRC as u64)
-            .store(crc as u64, Relaxed);
+            .store(crc as u64 | ((meta.upstream_digest as u64) << 32), Relaxed);
         self.index_slot(slot.seq).store(slot.start, Relaxed);
         self.tail.store(slot.end, Release);
         self.newest.store(slot.seq, Release);
@@ -278,7 +282,8 @@ impl<'a> Ring<'a> {
             let up = self.word(pos + 16).load(Relaxed);
             let w3 = self.word(pos + 24).load(Relaxed);
             let ts = self.word(pos + 32).load(Relaxed);
-            crc = self.word(pos + REC_OFF_CRC as u64).load(Relaxed) as u32;
+            let w5 = self.word(pos + REC_OFF_CRC as u64).load(Relaxed);
+            crc = w5 as u32;
             len = (w1 as u32) as usize;
             let size = record_size(len);
             ok = seq == want
@@ -291,6 +296,7 @@ impl<'a> Ring<'a> {
                 upstream_seq: up,
                 flags: (w3 >> 32) as u32,
                 ingest_ns: ts,
+                upstream_digest: (w5 >> 32) as u32,
             };
         }
         // Always fence + load intent, also on failure: the fence is what makes

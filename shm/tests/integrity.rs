@@ -117,7 +117,7 @@ fn crc32c_reference(bytes: &[u8]) -> u32 {
 }
 
 /// The stored checksum is what `LAYOUT.md` §4 says: CRC-32C over record bytes 0..40 as stored,
-/// then the payload; the reserved word is 0.
+/// then the payload; the upstream digest beside it is stored as given.
 #[test]
 fn stored_checksum_matches_the_spec() {
     assert_eq!(crc32c_reference(b"123456789"), 0xE306_9283, "check value");
@@ -131,8 +131,8 @@ fn stored_checksum_matches_the_spec() {
         let mut rec = vec![0u8; RECORD_HEADER_LEN + len];
         f.read_exact_at(&mut rec, off).unwrap();
         let stored = u32::from_le_bytes(rec[REC_OFF_CRC..REC_OFF_CRC + 4].try_into().unwrap());
-        let reserved = u32::from_le_bytes(
-            rec[REC_OFF_RESERVED..REC_OFF_RESERVED + 4]
+        let digest = u32::from_le_bytes(
+            rec[REC_OFF_UPSTREAM_DIGEST..REC_OFF_UPSTREAM_DIGEST + 4]
                 .try_into()
                 .unwrap(),
         );
@@ -140,7 +140,8 @@ fn stored_checksum_matches_the_spec() {
         covered.extend_from_slice(&rec[RECORD_HEADER_LEN..]);
         assert_eq!(stored, crc32c_reference(&covered), "len {len}");
         assert_eq!(stored, record_crc(seq, len, &meta(seq), &payload(seq, len)));
-        assert_eq!(reserved, 0);
+        // The writer's note, stored as given and outside the checksum.
+        assert_eq!(digest, meta(seq).upstream_digest);
     }
 }
 

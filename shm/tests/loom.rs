@@ -69,6 +69,7 @@ fn meta_for(seq: u64) -> RecordMeta {
         upstream_seq: seq * 100,
         flags: seq as u32 + 20,
         ingest_ns: seq * 1000,
+        upstream_digest: 0,
     }
 }
 

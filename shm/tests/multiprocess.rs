@@ -96,6 +96,7 @@ fn run_writer(path: PathBuf) {
             upstream_seq: seq ^ 0x5555,
             flags: len as u32 | if last { FINAL } else { 0 },
             ingest_ns: 0,
+            upstream_digest: 0,
         });
         if seq % 8 == 0 {
             std::thread::sleep(Duration::from_micros(50));

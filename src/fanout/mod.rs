@@ -77,6 +77,19 @@ impl prost::Message for EncodedBatch {
 /// Request metadata key selecting one rank's ring in `metadata` mode (docs/smg-api.md §7 (b)).
 pub const DP_RANK_HEADER: &str = "kvbridge-dp-rank";
 
+/// Response metadata key on `SubscribeKvEvents`: the id of the ring the stream's sequence numbers
+/// belong to, 16 lowercase hex digits (the ring file's `ring_id`, shm/LAYOUT.md §3). The same id
+/// after a kvbridge restart means its numbering continues; another id means a new ring (a lost
+/// or unusable ring file), whose numbering starts above the old one's.
+pub const RING_ID_HEADER: &str = "kvbridge-ring-id";
+
+/// The [`RING_ID_HEADER`] value of ring `id`.
+fn ring_id_value(id: u64) -> tonic::metadata::AsciiMetadataValue {
+    format!("{id:016x}")
+        .parse()
+        .expect("hex digits are a valid metadata value")
+}
+
 /// Shared state of every subscription.
 pub struct Fanout {
     /// The merged ring (default stream).
@@ -352,6 +365,11 @@ pub struct Subscription {
 }
 
 impl Subscription {
+    /// The id of the ring this subscription reads ([`RING_ID_HEADER`]).
+    pub fn ring_id(&self) -> u64 {
+        self.reader.ring_id()
+    }
+
     /// The next record for this subscriber: waits for it when the cursor is at the head; ends
     /// with `DATA_LOSS` when the ring overwrote it, `UNAVAILABLE` at shutdown. `None` after an
     /// error has been returned.

@@ -120,6 +120,7 @@ impl PathHandler {
                 .subscribe(self.path, start, rank.as_deref(), wants_load)?
         };
         tracing::debug!(path = self.path, start, "subscription opened");
+        let ring_id = super::ring_id_value(sub.ring_id());
         // Everything a delivery touches is resolved once here and moved through the stream's
         // state: no label look-up, no reference-count traffic per delivered batch.
         let state = Delivering {
@@ -137,11 +138,19 @@ impl PathHandler {
             Some((item, st))
         });
         // Load records (sidecar mode) only for clients that accept them (docs/smg-api.md §3.5).
-        if let (true, Some(feed)) = (wants_load, self.fanout.load_feed.get()) {
-            let stream = super::with_load_records(Box::pin(stream), feed.clone());
-            return Ok(Response::new(Box::pin(stream)));
-        }
-        Ok(Response::new(Box::pin(stream)))
+        let mut response = match (wants_load, self.fanout.load_feed.get()) {
+            (true, Some(feed)) => Response::new(Box::pin(super::with_load_records(
+                Box::pin(stream),
+                feed.clone(),
+            )) as BatchStream),
+            _ => Response::new(Box::pin(stream) as BatchStream),
+        };
+        // Which ring the numbers belong to: the same id after a kvbridge restart on its ring
+        // (a continuation), another after a ring reset (docs/subscribers.md).
+        response
+            .metadata_mut()
+            .insert(super::RING_ID_HEADER, ring_id);
+        Ok(response)
     }
 }
 

@@ -38,6 +38,7 @@ pub use config::{
 use io::RankIo;
 use rank::RankWorker;
 use sink::RingSink;
+pub use upstream::Resume;
 use upstream::{Limits, RankState};
 
 /// Set-up failures (reported as one line, exit code 2).
@@ -77,12 +78,13 @@ pub struct Ingest {
 impl Ingest {
     /// Creates every socket (so that a bad endpoint fails here, before anything runs), then
     /// starts one thread per rank. `decode` shapes the records (split threshold, filter
-    /// profile); its payload limit is `cfg.max_engine_message`, whatever it says.
+    /// profile); its payload limit is `cfg.max_engine_message`, whatever it says. `resume` tells
+    /// what the ring already holds of a rank ([`Resume::from_ring`]).
     pub fn start(
         cfg: &IngestConfig,
         decode: DecodeConfig,
         targets: Vec<Targets>,
-        last_upstream: &std::collections::HashMap<u32, u64>,
+        resume: &dyn Fn(u32) -> Resume,
         metrics: &Arc<Metrics>,
         upstream: Arc<UpstreamState>,
     ) -> Result<Ingest, IngestError> {
@@ -103,9 +105,8 @@ impl Ingest {
                 max_payload: cfg.max_engine_message as usize,
                 ..decode.clone()
             });
-            let last = last_upstream.get(&rank.rank).copied();
             workers.push(RankWorker {
-                state: RankState::new(last, Limits::default(), m.clone()),
+                state: RankState::new(resume(rank.rank), Limits::default(), m.clone()),
                 sink: RingSink::new(rank.rank, decoder, tgt, m.clone()),
                 monitor,
                 lost_since: None,

@@ -64,7 +64,7 @@ fn ring_targets(t: &Targets) -> impl Iterator<Item = (&Arc<RingHub>, bool)> {
 }
 
 impl Sink for RingSink {
-    fn apply(&mut self, seq: u64, payload: &[u8]) {
+    fn apply(&mut self, seq: u64, digest: u32, payload: &[u8]) {
         self.m.batches.inc();
         if payload.is_empty() {
             // Only replay gets here with one (live ones are dropped before the state machine):
@@ -107,6 +107,8 @@ impl Sink for RingSink {
             upstream_seq: seq,
             flags: 0,
             ingest_ns: crate::clock::unix_nanos(),
+            // What a restarted kvbridge compares the engine's replay of `seq` with.
+            upstream_digest: digest,
         };
         let batch = self.decoder.planned(&plan, payload);
         let mut failed = None;

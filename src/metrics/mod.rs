@@ -308,7 +308,7 @@ impl Metrics {
             repeated_frames: counter(
                 &r,
                 "repeated_frames_total",
-                "Live frames repeating the last applied engine seq without a reconnect (dropped)",
+                "Live frames repeating the last applied engine batch, same seq and bytes (dropped)",
                 &["rank"],
             ),
             rank_mismatch: counter(

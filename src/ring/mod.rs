@@ -148,8 +148,10 @@ impl RingPosition {
 /// What a freshly opened hub found in its ring.
 #[derive(Debug, Default, Clone)]
 pub struct Recovered {
-    /// Last engine sequence number held per rank (from record metadata), for replay catch-up.
-    pub last_upstream: std::collections::HashMap<u32, u64>,
+    /// The last engine batch held per rank (from record metadata): its engine sequence number and
+    /// the digest of its bytes (0: not recorded), for replay catch-up and to tell a restarted
+    /// engine from the one that published it.
+    pub last_upstream: std::collections::HashMap<u32, (u64, u32)>,
     /// Whether an existing ring was adopted.
     pub adopted: bool,
     /// Records of an adopted ring that failed their checksum (skipped; never served).
@@ -400,7 +402,7 @@ fn recover(reader: &RingReader, recovered: &mut Recovered) -> (u64, u64) {
                 if meta.flags & FLAG_SYNTHESIZED == 0 {
                     recovered
                         .last_upstream
-                        .insert(meta.dp_rank, meta.upstream_seq);
+                        .insert(meta.dp_rank, (meta.upstream_seq, meta.upstream_digest));
                 }
                 if let Ok(batch) = crate::proto::common::KvEventBatch::decode(buf.as_slice()) {
                     if let Some(max) = batch.events.iter().map(|e| e.event_id).max() {

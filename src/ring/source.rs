@@ -121,6 +121,7 @@ impl ClearCause {
             upstream_seq,
             flags: FLAG_SYNTHESIZED | ((self as u32) << 8),
             ingest_ns: crate::clock::unix_nanos(),
+            upstream_digest: 0,
         }
     }
 }

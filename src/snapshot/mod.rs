@@ -738,6 +738,7 @@ mod tests {
             upstream_seq: 1,
             flags: 0,
             ingest_ns: 1,
+            upstream_digest: 0,
         };
         let out = hub.publish(&dec.planned(&plan, p), None, meta).unwrap();
         reference.apply(&dec.planned(&plan, p), &[], 0, out.last_seq);

@@ -28,6 +28,7 @@ mod decode_fuzz_corpus;
 mod decode_prop;
 mod decode_vectors;
 mod deploy;
+mod engine_incarnation;
 mod fanout_shape;
 mod gateway;
 mod interop;

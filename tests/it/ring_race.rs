@@ -44,6 +44,7 @@ fn publisher(hub: Arc<RingHub>, start: Arc<Barrier>, rank: u32, batches: bool) {
                 upstream_seq: seq,
                 flags: 0,
                 ingest_ns: 1,
+                upstream_digest: 0,
             };
             let plan = dec.plan(&payload).unwrap();
             hub.publish(&dec.planned(&plan, &payload), None, meta)

@@ -25,6 +25,7 @@ fn meta(i: u64) -> RecordMeta {
         upstream_seq: 1000 + i,
         flags: (i % 3) as u32,
         ingest_ns: 1_700_000_000_000_000_000 + i,
+        upstream_digest: 0,
     }
 }
 

@@ -32,6 +32,7 @@ pub fn meta(seq: u64) -> RecordMeta {
         upstream_seq: seq * 3,
         flags: (seq as u32).wrapping_mul(7),
         ingest_ns: seq * 1000,
+        upstream_digest: (seq as u32) ^ 0xA5A5_0000,
     }
 }
 

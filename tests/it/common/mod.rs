@@ -171,9 +171,10 @@ impl Engine {
         self.wait_subscribed_after(0);
     }
 
-    /// Publishes one batch of `events` in `layout`; returns its engine seq.
+    /// Publishes one batch of `events` in `layout`, stamped with the wall clock as the engines
+    /// stamp theirs (so two incarnations never send the same bytes); returns its engine seq.
     pub fn publish(&self, layout: Layout, events: Vec<SimEvent>, rank: u32) -> u64 {
-        self.with(move |p| p.publish(encode_batch(layout, 1_700_000_000.5, &events, rank)))
+        self.with(move |p| p.publish(encode_batch(layout, now_ts(), &events, rank)))
     }
 }
 
@@ -185,6 +186,14 @@ impl Drop for Engine {
             let _ = t.join();
         }
     }
+}
+
+/// Seconds since the Unix epoch, as the engines write a batch's `ts`.
+pub fn now_ts() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }
 
 /// A store of `blocks` fresh blocks (16 tokens each) chained to `parent`.
@@ -437,6 +446,12 @@ impl Bridge {
         st
     }
 
+    /// Stops it with SIGKILL: no shutdown path at all (the kernel releases the writer lock).
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
     /// Restarts with the same arguments (same addresses, same ring, same ready file).
     pub fn restart(self, dir: &Path) -> Bridge {
         let (grpc, shm, args) = (self.grpc, self.shm.clone(), self.args.clone());
@@ -462,6 +477,14 @@ pub async fn subscribe(
     url: &str,
     start: u64,
 ) -> Result<tonic::Streaming<KvEventBatch>, tonic::Status> {
+    subscribe_with_ring_id(url, start).await.map(|(s, _)| s)
+}
+
+/// As [`subscribe`], with the `kvbridge-ring-id` the response headers carry.
+pub async fn subscribe_with_ring_id(
+    url: &str,
+    start: u64,
+) -> Result<(tonic::Streaming<KvEventBatch>, String), tonic::Status> {
     let mut c = VllmEngineClient::connect(url.to_string())
         .await
         .expect("connect");
@@ -470,7 +493,16 @@ pub async fn subscribe(
         load_records_before_first_batch: true,
     })
     .await
-    .map(|r| r.into_inner())
+    .map(|r| {
+        let id = r
+            .metadata()
+            .get("kvbridge-ring-id")
+            .expect("kvbridge-ring-id in the response headers")
+            .to_str()
+            .unwrap()
+            .to_string();
+        (r.into_inner(), id)
+    })
 }
 
 /// Reads batches until `pred` holds for the collected list or `timeout` passes.
@@ -573,18 +605,35 @@ impl Engine {
         Engine::try_start_at(endpoint, replay).expect("bind engine sockets")
     }
 
+    /// A simulated engine whose PUB connects to `endpoint` (kvbridge binds it: `--zmq-bind`),
+    /// with its replay ROUTER bound on a fresh loopback port.
+    pub fn start_connecting(endpoint: &str) -> Engine {
+        Engine::spawn(endpoint, "tcp://127.0.0.1:*", false).expect("open engine sockets")
+    }
+
     /// Like [`Engine::start_at`], but an endpoint that cannot be bound (say, a port taken
     /// meanwhile) is an error for the caller to handle.
     pub fn try_start_at(endpoint: &str, replay: &str) -> Result<Engine, zmq::Error> {
+        Engine::spawn(endpoint, replay, true)
+    }
+
+    fn spawn(endpoint: &str, replay: &str, bind: bool) -> Result<Engine, zmq::Error> {
         let (tx, rx) = mpsc::channel::<Job>();
         let (ep, rp) = (endpoint.to_string(), replay.to_string());
         let (ready_tx, ready_rx) = mpsc::channel();
         let thread = std::thread::spawn(move || {
             let ctx = zmq::Context::new();
-            let bound = EnginePublisher::bind(&ctx, &ep, Some(&rp), "")
-                .and_then(|p| p.bound_endpoints().map(|e| (p, e)));
+            let open = if bind {
+                EnginePublisher::bind
+            } else {
+                EnginePublisher::connect
+            };
+            let bound =
+                open(&ctx, &ep, Some(&rp), "").and_then(|p| p.bound_endpoints().map(|e| (p, e)));
             let mut p = match bound {
                 Ok((p, (pub_ep, replay_ep))) => {
+                    // A connecting PUB is where it was told to connect.
+                    let pub_ep = if bind { pub_ep } else { ep.clone() };
                     ready_tx
                         .send(Ok((pub_ep, replay_ep.unwrap_or_default())))
                         .unwrap();
@@ -616,6 +665,20 @@ impl Bridge {
     /// (returned), and waits until gRPC accepts connections.
     pub fn start_with_metrics(dir: &Path, shm: &Path, extra: &[String]) -> (Bridge, SocketAddr) {
         Self::start_with_metrics_limited(dir, shm, extra, None)
+    }
+
+    /// As [`Bridge::start_with_metrics`], but a bridge that exits during start-up (say, on a
+    /// port taken meanwhile) is `Err` with its log (see [`retry_on_taken_port`]).
+    pub fn try_start_with_metrics(
+        dir: &Path,
+        shm: &Path,
+        extra: &[String],
+    ) -> Result<(Bridge, SocketAddr), String> {
+        let grpc: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let args = serve_args(grpc, shm, "127.0.0.1:0", extra);
+        let b = Self::try_start_limited(dir, grpc, shm, args, None)?;
+        let metrics = b.metrics.expect("metrics address in the ready file");
+        Ok((b, metrics))
     }
 
     /// As [`Bridge::start_with_metrics`], with `RLIMIT_NOFILE` = `nofile` when given.

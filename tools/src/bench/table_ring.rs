@@ -22,6 +22,7 @@ pub const META: RecordMeta = RecordMeta {
     upstream_seq: 1,
     flags: 0,
     ingest_ns: 1,
+    upstream_digest: 0,
 };
 
 /// A temporary directory on tmpfs (`/dev/shm`), or the system's temporary directory where

@@ -48,6 +48,30 @@ impl EnginePublisher {
         replay: Option<&str>,
         topic: &str,
     ) -> Result<Self, zmq::Error> {
+        Self::open(ctx, endpoint, true, replay, topic)
+    }
+
+    /// Connects the PUB to `endpoint`, where kvbridge's SUB binds (an engine endpoint that names
+    /// a host, docs/engine-wire.md §2.1), and binds the replay ROUTER at `replay` (engines bind
+    /// it in every case). While the connection is down, what is published queues in the PUB
+    /// (up to its high-water mark) and is delivered after the reconnect, as the engines' PUB
+    /// does.
+    pub fn connect(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        replay: Option<&str>,
+        topic: &str,
+    ) -> Result<Self, zmq::Error> {
+        Self::open(ctx, endpoint, false, replay, topic)
+    }
+
+    fn open(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        bind: bool,
+        replay: Option<&str>,
+        topic: &str,
+    ) -> Result<Self, zmq::Error> {
         // An XPUB publishes exactly as the engines' PUB does, and also hands over each
         // subscriber's subscription (verbose: every one, not only the first per topic), so a test
         // can wait until a subscriber is really subscribed instead of sleeping and hoping.
@@ -55,7 +79,11 @@ impl EnginePublisher {
         publisher.set_xpub_verbose(true)?;
         publisher.set_sndhwm(100_000)?;
         publisher.set_linger(0)?;
-        publisher.bind(endpoint)?;
+        if bind {
+            publisher.bind(endpoint)?;
+        } else {
+            publisher.connect(endpoint)?;
+        }
         let router = match replay {
             Some(r) => {
                 let s = ctx.socket(zmq::ROUTER)?;
