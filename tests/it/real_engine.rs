@@ -36,7 +36,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::real_engine::{
-    block_set, diff, engine_ops, grpc_ops, replay, Endpoint, EngineOpts, Op, RealEngine,
+    block_set, diff, engine_ops, grpc_ops, quiet_port, replay, Endpoint, EngineOpts, Op, RealEngine,
     VllmDecoder, BLOCKS,
 };
 use common::{metric, scrape, Bridge};
@@ -143,24 +143,32 @@ impl Timeline {
     fn start_bridge(&mut self) {
         let b = match &self.bridge_args {
             None => {
-                let mut extra = vec![
-                    "--kv-events-config".to_string(),
+                // Every port quiet (below the ephemeral range): kvbridge comes back on them
+                // after a restart, and an ephemeral port can be taken meanwhile (the engine's
+                // own processes bind some when they restart).
+                let grpc: SocketAddr = format!("127.0.0.1:{}", quiet_port()).parse().unwrap();
+                let mut args = vec![
+                    "serve".to_string(),
+                    "--grpc".into(),
+                    grpc.to_string(),
+                    "--shm".into(),
+                    self.ring.display().to_string(),
+                    "--metrics".into(),
+                    format!("127.0.0.1:{}", quiet_port()),
+                    "--kv-events-config".into(),
                     self.engine.kv_events_config(),
                     "--seq-base".into(),
                     "1".into(),
                 ];
                 if self.publish_zmq {
-                    extra.extend(
-                        [
-                            "--publish-zmq",
-                            "tcp://127.0.0.1:0",
-                            "--publish-zmq-replay",
-                            "tcp://127.0.0.1:0",
-                        ]
-                        .map(String::from),
-                    );
+                    args.extend([
+                        "--publish-zmq".to_string(),
+                        format!("tcp://127.0.0.1:{}", quiet_port()),
+                        "--publish-zmq-replay".into(),
+                        format!("tcp://127.0.0.1:{}", quiet_port()),
+                    ]);
                 }
-                let (b, _) = Bridge::start_with_metrics(self.dir.path(), &self.ring, &extra);
+                let b = Bridge::start_args(self.dir.path(), grpc, &self.ring, args);
                 self.bridge_args = Some((b.grpc, b.args.clone()));
                 b
             }

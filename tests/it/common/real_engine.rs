@@ -203,6 +203,10 @@ impl RealEngine {
             "--max-model-len",
             "512",
             "--enforce-eager",
+            // The model runs in the EngineCore process (with the env below): one process start,
+            // i.e. one import of vLLM and torch, fewer.
+            "--distributed-executor-backend",
+            "uni",
             "--enable-prefix-caching",
             "--disable-log-stats",
             "--uvicorn-log-level",
@@ -221,6 +225,10 @@ impl RealEngine {
             ("PYTHONHASHSEED", "0".to_string()),
             // Enables POST /reset_prefix_cache.
             ("VLLM_SERVER_DEV_MODE", "1".to_string()),
+            // Lets `--distributed-executor-backend uni` stand on the CPU platform (which would
+            // otherwise switch to a worker process of its own); the EngineCore is still a
+            // process beside the API server, and publishes the events.
+            ("VLLM_ENABLE_V1_MULTIPROCESSING", "0".to_string()),
             ("HF_HUB_OFFLINE", "1".to_string()),
             ("TRANSFORMERS_OFFLINE", "1".to_string()),
             ("VLLM_NO_USAGE_STATS", "1".to_string()),
