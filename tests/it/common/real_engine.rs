@@ -294,9 +294,10 @@ impl RealEngine {
         }
     }
 
-    /// The engine's log (every incarnation), for failure messages.
+    /// The engine's log (every incarnation; the last lines, less its list of HTTP routes), for
+    /// failure messages.
     pub fn log(&self) -> String {
-        tail(&self.log, 200)
+        tail(&self.log, 60)
     }
 
     /// POST /v1/completions: greedy, exactly `max_tokens` tokens (EOS ignored); returns the
@@ -312,7 +313,12 @@ impl RealEngine {
         .to_string();
         let (status, text) = http_request(self.http, "POST", "/v1/completions", &body)
             .unwrap_or_else(|e| panic!("completion: {e}; engine log:\n{}", self.log()));
-        assert_eq!(status, 200, "completion: {text}; engine log:\n{}", self.log());
+        assert_eq!(
+            status,
+            200,
+            "completion: {text}; engine log:\n{}",
+            self.log()
+        );
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(
             v["usage"]["completion_tokens"], max_tokens,
@@ -403,7 +409,8 @@ impl RealEngine {
         };
         for (i, (seq, _)) in h.iter().enumerate() {
             assert_eq!(
-                *seq, i as u64,
+                *seq,
+                i as u64,
                 "the engine's replay from 0 is not seqs 0, 1, …: {:?}",
                 h.iter().map(|b| b.0).collect::<Vec<_>>()
             );
@@ -466,12 +473,17 @@ fn group_members(pgid: i32) -> Vec<i32> {
 
 fn tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
+    let all: Vec<&str> = text.lines().filter(|l| !l.contains("] Route: /")).collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// A minimal HTTP/1.1 exchange on loopback: (status, body).
-pub fn http_request(port: u16, method: &str, path: &str, body: &str) -> Result<(u16, String), String> {
+pub fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Result<(u16, String), String> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(
@@ -533,7 +545,9 @@ pub fn replay(ctx: &zmq::Context, endpoint: &str, start: u64) -> Result<Vec<Batc
             )
         })?;
         if f.len() != 4 || !f[0].is_empty() || f[2].len() != 8 {
-            return Err(format!("replay at {endpoint}: a reply not [\"\", topic, seq, payload]: {f:?}"));
+            return Err(format!(
+                "replay at {endpoint}: a reply not [\"\", topic, seq, payload]: {f:?}"
+            ));
         }
         let seq = u64::from_be_bytes(f[2][..].try_into().unwrap());
         if seq == u64::MAX {
@@ -812,7 +826,10 @@ impl VllmDecoder {
                     "BlockStored" => Op::Store {
                         hashes: u64s(&e["block_hashes"]),
                         parent: e["parent_block_hash"].as_u64(),
-                        tokens: u64s(&e["token_ids"]).into_iter().map(|t| t as u32).collect(),
+                        tokens: u64s(&e["token_ids"])
+                            .into_iter()
+                            .map(|t| t as u32)
+                            .collect(),
                     },
                     "BlockRemoved" => Op::Remove {
                         hashes: u64s(&e["block_hashes"]),
