@@ -849,3 +849,53 @@ impl Drop for VllmDecoder {
         let _ = self.child.wait();
     }
 }
+
+/// Holds a TCP port in kvbridge's place while kvbridge is down: an engine whose PUB connects
+/// (docs/engine-wire.md §2.1) connects here and waits for a ZMTP greeting that never comes
+/// (libzmq gives a handshake 30 s), its pipe to kvbridge's old connection, subscriptions and what
+/// it publishes meanwhile kept. The listener goes first ([`release_port`](Self::release_port)), so
+/// that kvbridge can bind the port again while the engine's connection still hangs here; dropping
+/// the hold then closes that connection, and the engine reconnects to kvbridge (100–200 ms later)
+/// with what it queued: a reconnect as slow as a network's, made on purpose.
+pub struct PortHold {
+    listener: Option<std::net::TcpListener>,
+    conns: Vec<std::net::TcpStream>,
+}
+
+impl PortHold {
+    /// Binds 127.0.0.1:`port` (kvbridge, just stopped, held it).
+    pub fn bind(port: u16) -> PortHold {
+        let l = eventually(
+            &format!("port {port} can be bound in kvbridge's place"),
+            Duration::from_secs(30),
+            || std::net::TcpListener::bind(("127.0.0.1", port)),
+        );
+        l.set_nonblocking(true).unwrap();
+        PortHold {
+            listener: Some(l),
+            conns: Vec::new(),
+        }
+    }
+
+    /// Waits until the engine's PUB has connected here.
+    pub fn wait_connected(&mut self) {
+        let l = self.listener.as_ref().expect("listening");
+        let conns = &mut self.conns;
+        eventually(
+            "the engine's PUB connects to the held port",
+            Duration::from_secs(30),
+            || match l.accept() {
+                Ok((s, _)) => {
+                    conns.push(s);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
+        );
+    }
+
+    /// Closes the listener; the engine's connection stays open (and waits).
+    pub fn release_port(&mut self) {
+        self.listener = None;
+    }
+}
