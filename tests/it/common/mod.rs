@@ -2,6 +2,7 @@
 //! child process, and gRPC subscribers.
 
 pub mod grpc_engine;
+pub mod real_engine;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
