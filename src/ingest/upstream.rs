@@ -401,7 +401,7 @@ impl RankState {
                                     // Older than the window: nothing to compare with.
                                     None => this.m.duplicates.inc(),
                                 }
-                                first = false;
+                                // (`first` stays: it means the first batch after `last`)
                                 return;
                             }
                             Pos::Last(l) => l + 1,
