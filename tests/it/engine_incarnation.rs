@@ -40,14 +40,7 @@ async fn an_engine_restarted_while_kvbridge_was_down_is_a_clear_then_its_whole_h
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-        "--seq-base".into(),
-        "1".into(),
-    ];
+    let args = e.bridge_args();
     let (bridge, _) = Bridge::start_with_metrics(dir.path(), &ring, &args);
     e.wait_subscribed();
     let old = publish_stores(&e, 1..4);
@@ -159,12 +152,7 @@ async fn grpc_names_the_ring_a_lost_ring_file_is_another_id() {
     let dir = tempfile::tempdir().unwrap();
     let ring = dir.path().join("ring");
     let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-    ];
+    let args = e.bridge_args();
     let bridge = Bridge::start(dir.path(), &ring, &args);
     let (_, first) = subscribe_with_ring_id(&bridge.url(), 0).await.unwrap();
     let bridge = bridge.restart(dir.path());

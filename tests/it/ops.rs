@@ -22,14 +22,7 @@ fn s(v: &str) -> String {
 }
 
 fn engine_args(e: &Engine) -> Vec<String> {
-    vec![
-        s("--zmq"),
-        e.endpoint.clone(),
-        s("--replay"),
-        e.replay.clone(),
-        s("--seq-base"),
-        s("1"),
-    ]
+    e.bridge_args()
 }
 
 fn req(start: u64) -> SubscribeKvEventsRequest {

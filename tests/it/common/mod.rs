@@ -167,6 +167,21 @@ impl Engine {
         self.with(|p| p.subscriptions())
     }
 
+    /// `kvbridge serve` flags for this engine as one rank: its PUB (kvbridge connects), its
+    /// replay ROUTER, and ring numbers from 1.
+    pub fn bridge_args(&self) -> Vec<String> {
+        [
+            "--zmq",
+            &self.endpoint,
+            "--replay",
+            &self.replay,
+            "--seq-base",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
     /// Waits until a first subscriber is subscribed to this engine.
     pub fn wait_subscribed(&self) {
         self.wait_subscribed_after(0);
