@@ -7,14 +7,14 @@
 //! | response headers | returned the moment the engine sends them, before any message (SMG gives a stream 2 s to answer headers) |
 //! | trailers | the engine's trailers frame unchanged (`grpc-status`, `grpc-message`, `grpc-status-details-bin`, custom) |
 //! | deadline | `grpc-timeout` is metadata like any other: the engine enforces it and answers with its own status |
-//! | cancellation | a client that resets drops the upstream response and request bodies, which resets the engine's stream; an engine that resets ends the client's call with the status its reset means |
+//! | cancellation | a client that resets before the engine's answer drops the upstream response and request bodies, which resets the engine's stream; a client already gone when its call would open sends nothing; a burst of such resets on one engine connection moves later calls to a fresh one (`upstream::RESET_BURST`); an engine that resets ends the client's call with the status its reset means |
 //! | failure | no connection: `UNAVAILABLE` naming the engine, as a trailers-only response |
 //! | buffering | the call goes to the engine once it has a share of the buffer budgets (`budget.rs`); each side is given flow-control capacity back only as the other accepts the bytes; a call that moves no byte it owes (a response its client does not take, a request unfinished) for `--sidecar-stall-timeout-ms` while other streams wait for a share is ended `RESOURCE_EXHAUSTED` |
 
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -24,7 +24,7 @@ use tonic::{Code, Status};
 
 use super::budget::{ConnectionBudget, Share};
 use super::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
-use super::upstream::{EngineState, Upstream};
+use super::upstream::{Connection, EngineState, Upstream};
 use crate::metrics::Metrics;
 
 /// Forwards the client's call `req` to the engine and answers it on `respond`: the engine's
@@ -88,21 +88,25 @@ pub(crate) async fn forward(
         let share = budget.share().await;
         open_stream(upstream, &parts, end)
             .await
-            .map(|(response, up_send)| (share, response, up_send))
+            .map(|(response, up_send, lease)| (share, response, up_send, lease))
     };
-    let (share, response, up_send) = tokio::select! {
+    let (share, response, up_send, lease) = tokio::select! {
         biased;
+        // The client went away before (a connection kvbridge closed with its streams already
+        // accepted: nothing of them goes to the engine) or while the call waited (for a share,
+        // or a connection).
+        _ = poll_fn(|cx| respond.poll_reset(cx)) => {
+            CallRecord::count(metrics, &method, "cancelled");
+            return;
+        }
         r = open => match r {
             Ok(s) => s,
             Err(status) => return finish_early(metrics, &method, respond, status),
         },
         status = &mut down => return finish_early(metrics, &method, respond, status),
-        // The client went away while the call waited (for a share, or a connection).
-        _ = poll_fn(|cx| respond.poll_reset(cx)) => {
-            CallRecord::count(metrics, &method, "cancelled");
-            return;
-        }
     };
+    // Until the engine answers, leaving resets the engine's stream: counted on its connection.
+    let mut unanswered = Unanswered(Some((lease, upstream.address())));
     metrics
         .proxy
         .overhead
@@ -130,10 +134,10 @@ pub(crate) async fn forward(
         if let Poll::Ready(status) = down.as_mut().poll(cx) {
             return Poll::Ready(Ok(Err(status)));
         }
-        response
-            .as_mut()
-            .poll(cx)
-            .map(|r| Ok(r.map_err(|e| upstream_error(upstream.address(), &e))))
+        let r = ready!(response.as_mut().poll(cx));
+        // Answered (or failed on the engine's side): nothing left to reset.
+        unanswered.0 = None;
+        Poll::Ready(Ok(r.map_err(|e| upstream_error(upstream.address(), &e))))
     })
     .await;
     let resp = match headers {
@@ -274,15 +278,35 @@ fn grpc_status(h: &HeaderMap) -> Option<i32> {
         .and_then(|s| s.parse().ok())
 }
 
-/// Opens the call's stream to the engine: a pool connection that cannot open one (the engine
-/// sent GOAWAY: it shuts down gracefully, or judged another client's burst of reset streams
-/// abuse, "too_many_resets") leaves its slot, and the call tries the next, at most once per
-/// slot and once more: nothing of it has reached the engine yet.
+/// Counts the engine's stream on its connection as reset unanswered when dropped armed
+/// ([`Connection::reset_unanswered`]); disarmed once the engine answers.
+struct Unanswered<'a>(Option<(Connection, &'a str)>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some((lease, engine)) = self.0.take() {
+            lease.reset_unanswered(engine);
+        }
+    }
+}
+
+/// Opens the call's stream to the engine (and returns the connection it went to): a pool
+/// connection that cannot open one (the engine sent GOAWAY: it shuts down gracefully, or judged
+/// another client's burst of reset streams abuse, "too_many_resets") leaves its slot, and the
+/// call tries the next, at most once per slot and once more: nothing of it has reached the
+/// engine yet.
 async fn open_stream(
     upstream: &Upstream,
     parts: &http::request::Parts,
     end: bool,
-) -> Result<(h2::client::ResponseFuture, h2::SendStream<Bytes>), Status> {
+) -> Result<
+    (
+        h2::client::ResponseFuture,
+        h2::SendStream<Bytes>,
+        Connection,
+    ),
+    Status,
+> {
     let mut attempts = 0;
     loop {
         let lease = upstream.sender().await?;
@@ -291,7 +315,7 @@ async fn open_stream(
             Err(e) => Err(e),
         };
         match opened {
-            Ok(r) => return Ok(r),
+            Ok((response, send)) => return Ok((response, send, lease)),
             Err(e) => {
                 lease.retire();
                 attempts += 1;

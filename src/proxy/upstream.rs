@@ -51,14 +51,27 @@ pub(crate) const DEFAULT_HEADER_LIST: u32 = 16 << 10;
 /// allows (also its limit for the engine's response headers).
 pub(crate) const MAX_HEADER_LIST: u32 = 1 << 20;
 
-/// One connection of the pool: its request handle, and whether it has ended.
-/// An engine connection as the pool hands it out: its sender, and the flag that takes it out of
-/// its slot.
+/// Streams kvbridge may reset on one engine connection before the engine answered them, within
+/// [`RESET_BURST_WINDOW`], before the connection leaves its pool slot. A client that goes away
+/// with many calls unanswered (a gateway restarting, a connection kvbridge closes for abuse)
+/// makes kvbridge reset them all at once on the connections they went to, and servers take such
+/// a burst for the HTTP/2 "rapid reset" attack: hyper/h2 closes the connection with GOAWAY
+/// `ENHANCE_YOUR_CALM` ("too_many_resets") past 20 streams reset before it accepted them. That
+/// GOAWAY would fail every call routed to the connection after the burst; retired at half that,
+/// the connection keeps only the calls already on it, and later calls go to a fresh one.
+pub(crate) const RESET_BURST: u32 = 10;
+/// The interval [`RESET_BURST`] is counted in: resets further apart are no burst.
+pub(crate) const RESET_BURST_WINDOW: Duration = Duration::from_secs(1);
+
+/// An engine connection as the pool hands it out: its sender, the flag that takes it out of its
+/// slot, and the count of its streams reset unanswered ([`RESET_BURST`]).
 #[derive(Clone)]
 pub(crate) struct Connection {
     /// Opens streams on the connection.
     pub(crate) sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
+    /// When the current burst of unanswered resets began, and its count so far.
+    resets: Arc<std::sync::Mutex<(std::time::Instant, u32)>>,
 }
 
 impl Connection {
@@ -68,6 +81,24 @@ impl Connection {
     /// still open finish on it, new ones go elsewhere.
     pub(crate) fn retire(&self) {
         self.closed.store(true, Ordering::Release);
+    }
+
+    /// Notes that kvbridge resets one of this connection's streams before the engine answered
+    /// it; the [`RESET_BURST`]th within [`RESET_BURST_WINDOW`] retires the connection.
+    pub(crate) fn reset_unanswered(&self, engine: &str) {
+        let now = std::time::Instant::now();
+        let mut burst = self.resets.lock().unwrap_or_else(|e| e.into_inner());
+        if now.duration_since(burst.0) > RESET_BURST_WINDOW {
+            *burst = (now, 0);
+        }
+        burst.1 += 1;
+        if burst.1 == RESET_BURST {
+            self.retire();
+            tracing::info!(
+                engine,
+                "{RESET_BURST} calls on one engine connection reset unanswered within {RESET_BURST_WINDOW:?}: new calls go to a fresh connection (the engine may take the burst for a rapid-reset attack and close this one)"
+            );
+        }
     }
 }
 
@@ -368,7 +399,11 @@ impl Upstream {
             peer.max_header_list_size.unwrap_or(u32::MAX).max(1),
             Ordering::Relaxed,
         );
-        Ok(Connection { sender, closed })
+        Ok(Connection {
+            sender,
+            closed,
+            resets: Arc::new(std::sync::Mutex::new((std::time::Instant::now(), 0))),
+        })
     }
 }
 
