@@ -53,6 +53,19 @@ pub const OFF_OLDEST: usize = 320;
 pub const OFF_HEAD: usize = 384;
 /// u32 futex word bumped on commit when readers wait.
 pub const OFF_NOTIFY: usize = 448;
+// --- writer notes: the writer's own, readers ignore them (LAYOUT.md §3.1) ----
+/// u64 notes control word: bits 0..32 the number of notes in the active area, bit 32 which
+/// area (0: [`OFF_NOTES_A`], 1: [`OFF_NOTES_B`]) is active.
+pub const OFF_NOTES_CTL: usize = 512;
+/// Size of one writer note in bytes.
+pub const NOTE_LEN: usize = 16;
+/// Notes one area holds.
+pub const NOTES_MAX: usize = 110;
+/// First note area.
+pub const OFF_NOTES_A: usize = 576;
+/// Second note area.
+pub const OFF_NOTES_B: usize = OFF_NOTES_A + NOTES_MAX * NOTE_LEN;
+const _: () = assert!(OFF_NOTES_B + NOTES_MAX * NOTE_LEN <= HEADER_LEN as usize);
 
 /// The ring has (or had) a live writer.
 pub const STATE_ACTIVE: u32 = 0;

@@ -372,6 +372,69 @@ impl RingWriter {
         Ok(seq)
     }
 
+    /// The writer notes the ring holds (LAYOUT.md §3.1): what the previous writer of an
+    /// adopted ring left with [`set_notes`](Self::set_notes), empty for a new ring. Readers
+    /// never see them; a writer keeps in them what it must know again after a restart and
+    /// cannot derive from the records.
+    pub fn notes(&self) -> Vec<[u8; NOTE_LEN]> {
+        if self.truncated.is_some() {
+            return Vec::new();
+        }
+        let b = self.base();
+        // Acquire: pairs with the Release store of the control word in `set_notes`, so the
+        // area it names is read as completely written.
+        let ctl = b.u64_at(OFF_NOTES_CTL).load(Ordering::Acquire);
+        let n = (ctl as u32 as usize).min(NOTES_MAX);
+        let area = if ctl >> 32 & 1 == 0 {
+            OFF_NOTES_A
+        } else {
+            OFF_NOTES_B
+        };
+        (0..n)
+            .map(|i| {
+                let at = area + i * NOTE_LEN;
+                let lo = b.u64_at(at).load(Ordering::Relaxed);
+                let hi = b.u64_at(at + 8).load(Ordering::Relaxed);
+                let mut note = [0u8; NOTE_LEN];
+                note[..8].copy_from_slice(&lo.to_le_bytes());
+                note[8..].copy_from_slice(&hi.to_le_bytes());
+                note
+            })
+            .collect()
+    }
+
+    /// Replaces the writer notes with `notes` (at most [`NOTES_MAX`]), atomically with respect
+    /// to a crash: they are written to the inactive area, which one store of the control word
+    /// then makes the active one. A writer killed at any point leaves either the old notes or
+    /// the new ones.
+    pub fn set_notes(&mut self, notes: &[[u8; NOTE_LEN]]) -> Result<(), ShmError> {
+        if let Some(now) = self.truncated {
+            return Err(self.truncated_error(now));
+        }
+        if notes.len() > NOTES_MAX {
+            return Err(ShmError::InvalidOption(format!(
+                "{} writer notes, the ring header holds {NOTES_MAX}",
+                notes.len()
+            )));
+        }
+        let b = self.base();
+        let ctl = b.u64_at(OFF_NOTES_CTL).load(Ordering::Relaxed);
+        let next = (ctl >> 32 & 1) ^ 1;
+        let area = if next == 0 { OFF_NOTES_A } else { OFF_NOTES_B };
+        for (i, note) in notes.iter().enumerate() {
+            let at = area + i * NOTE_LEN;
+            let lo = u64::from_le_bytes(note[..8].try_into().expect("8 bytes"));
+            let hi = u64::from_le_bytes(note[8..].try_into().expect("8 bytes"));
+            b.u64_at(at).store(lo, Ordering::Relaxed);
+            b.u64_at(at + 8).store(hi, Ordering::Relaxed);
+        }
+        // Release: pairs with the Acquire load in `notes` (this writer's successor, after
+        // adoption): the area's stores above are visible before the control word names it.
+        b.u64_at(OFF_NOTES_CTL)
+            .store(next << 32 | notes.len() as u64, Ordering::Release);
+        Ok(())
+    }
+
     /// Check that the file is still whole, then store the current time as
     /// the writer heartbeat. Call it every ~100 ms: it is where a ring file
     /// truncated under the writer is noticed (see [`check`](Self::check)).

@@ -565,3 +565,73 @@ fn clones_share_mapping_with_own_positions() {
     assert_send::<RingReader>();
     assert_send::<RingWriter>();
 }
+
+/// Writer notes (LAYOUT.md §3.1): a new ring has none; an adopting writer gets what the last
+/// `set_notes` left; what sits in the inactive area (a `set_notes` killed half-way) never shows;
+/// a recreated ring starts empty again; more than the header holds is refused.
+#[test]
+fn writer_notes_survive_adoption_and_a_torn_update() {
+    let d = tmpdir();
+    let p = ring_path(&d);
+    let note = |b: u8| [b; NOTE_LEN];
+    {
+        let mut w = RingWriter::open(&p, &opts(1)).unwrap();
+        assert!(w.notes().is_empty());
+        w.set_notes(&[note(1), note(2)]).unwrap();
+        w.set_notes(&[note(3), note(4), note(5)]).unwrap();
+        assert_eq!(w.notes(), vec![note(3), note(4), note(5)]);
+        write(&mut w, 100);
+        let too_many = vec![note(9); NOTES_MAX + 1];
+        assert!(w.set_notes(&too_many).is_err());
+        assert_eq!(w.notes().len(), 3);
+    }
+    // A successor killed while writing the inactive area: garbage there, control unchanged.
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        let ctl = {
+            let w = RingWriter::open(
+                &p,
+                &WriterOptions {
+                    seq_base: None,
+                    ..opts(1)
+                },
+            )
+            .unwrap();
+            assert_eq!(w.notes(), vec![note(3), note(4), note(5)]);
+            drop(w);
+            std::fs::read(&p).unwrap()[OFF_NOTES_CTL..OFF_NOTES_CTL + 8].to_vec()
+        };
+        let active_b = u64::from_le_bytes(ctl.try_into().unwrap()) >> 32 & 1 == 1;
+        let inactive = if active_b { OFF_NOTES_A } else { OFF_NOTES_B };
+        f.seek(SeekFrom::Start(inactive as u64)).unwrap();
+        f.write_all(&[0xAB; NOTES_MAX * NOTE_LEN]).unwrap();
+    }
+    let mut w = RingWriter::open(
+        &p,
+        &WriterOptions {
+            seq_base: None,
+            ..opts(1)
+        },
+    )
+    .unwrap();
+    assert!(w.adopted());
+    assert_eq!(w.notes(), vec![note(3), note(4), note(5)]);
+    w.set_notes(&[note(6)]).unwrap();
+    drop(w);
+    let w = RingWriter::open(
+        &p,
+        &WriterOptions {
+            seq_base: None,
+            ..opts(1)
+        },
+    )
+    .unwrap();
+    assert_eq!(w.notes(), vec![note(6)]);
+    drop(w);
+    // A new ring at the path: nothing of the old one's notes.
+    remove_ring(&p).unwrap();
+    let w = RingWriter::open(&p, &opts(1)).unwrap();
+    assert!(!w.adopted());
+    assert!(w.notes().is_empty());
+}

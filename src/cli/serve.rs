@@ -12,7 +12,7 @@ use crate::config::{ServeArgs, ServeConfig};
 use crate::decode::DecodeConfig;
 use crate::fanout::{DpMode, EdgeOptions, Fanout};
 use crate::health::UpstreamState;
-use crate::ingest::{Ingest, Resume, Targets};
+use crate::ingest::{Ingest, Targets};
 use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
@@ -376,7 +376,7 @@ async fn start_on_rings(
         &cfg.ingest,
         records,
         targets,
-        &|rank| Resume::from_ring(&recovered, rank),
+        &recovered,
         &metrics,
         upstream.clone(),
     )

@@ -3,44 +3,17 @@
 //! [`Profile::All`] drops nothing here; unpairable stores then go out hash-only.
 //!
 //! Reasons, first match counted ([`DropReason`]): DISK/EXTERNAL tier (stores, removals); a group whose
-//! kind is not main attention (stores, removals; the kind is remembered per `group_idx` for later
-//! events that omit it, under both profiles); REMOTE locality (stores, removals); ownership
-//! `kvcr`, case-insensitive (stores, removals, clears); unpairable stores.
+//! kind is not main attention (stores, removals; the kind is learnt per `group_idx` from the
+//! stores, under both profiles, and kept across restarts: groups.rs); a removal of a group no
+//! store has been seen of (its kind is unknown: forwarding it could drop a block the main
+//! group holds); a store that contradicts its group's pinned kind or block size (another cache
+//! under the same index); REMOTE locality (stores, removals); ownership `kvcr`,
+//! case-insensitive (stores, removals, clears); unpairable stores.
 use super::enums::{Locality, Tier};
+use super::groups::{Conflict, GroupKind, StoreGroup};
 use super::scratch::Span;
 use super::stats::DecodeStats;
 use super::{Decoder, Profile};
-
-/// What kind of KV-cache group an event belongs to (from `kv_cache_spec_kind`, or remembered
-/// for its `group_idx`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[repr(u8)]
-pub(crate) enum GroupKind {
-    /// No kind given and none remembered for the group.
-    #[default]
-    Unknown,
-    /// `full_attention`, `mla_attention` or `sink_full_attention` (case-insensitive).
-    MainAttention,
-    /// Any other kind (sliding window, mamba, …): SMG would misindex it.
-    Other,
-}
-
-impl GroupKind {
-    #[inline]
-    fn of_spec_kind(k: &[u8]) -> GroupKind {
-        if k.eq_ignore_ascii_case(b"full_attention")
-            || k.eq_ignore_ascii_case(b"mla_attention")
-            || k.eq_ignore_ascii_case(b"sink_full_attention")
-        {
-            GroupKind::MainAttention
-        } else {
-            GroupKind::Other
-        }
-    }
-}
-
-/// Group indices remembered for the kind filter.
-const MAX_GROUPS: usize = 4096;
 
 /// Why [`Profile::Smg`] drops an event. Checked in this order; the first match is counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +22,11 @@ pub(crate) enum DropReason {
     Tier,
     /// A group that is not main attention (`filtered_group`).
     Group,
+    /// A removal of a group whose kind is not known: no store of it seen
+    /// (`filtered_group_unknown`).
+    GroupUnknown,
+    /// A store contradicting its group's pinned kind or block size (`filtered_group_conflict`).
+    GroupConflict,
     /// REMOTE locality (`filtered_remote`).
     Remote,
     /// Ownership `kvcr` (`filtered_ownership`).
@@ -63,6 +41,8 @@ impl DropReason {
         match self {
             DropReason::Tier => &mut s.filtered_tier,
             DropReason::Group => &mut s.filtered_group,
+            DropReason::GroupUnknown => &mut s.filtered_group_unknown,
+            DropReason::GroupConflict => &mut s.filtered_group_conflict,
             DropReason::Remote => &mut s.filtered_remote,
             DropReason::Ownership => &mut s.filtered_ownership,
             DropReason::Unpairable => &mut s.filtered_unpairable,
@@ -75,6 +55,10 @@ impl DropReason {
 pub(crate) struct Traits<'a> {
     pub(crate) tier: Option<Tier>,
     pub(crate) group: GroupKind,
+    /// A removal whose group no store has been seen of.
+    pub(crate) group_unseen: bool,
+    /// A store contradicting its group.
+    pub(crate) group_conflict: bool,
     pub(crate) locality: Option<Locality>,
     pub(crate) ownership: Option<&'a [u8]>,
     pub(crate) unpairable: bool,
@@ -84,8 +68,12 @@ pub(crate) struct Traits<'a> {
 fn smg_verdict(t: &Traits<'_>) -> Option<DropReason> {
     if matches!(t.tier, Some(Tier::Disk | Tier::External)) {
         Some(DropReason::Tier)
+    } else if t.group_conflict {
+        Some(DropReason::GroupConflict)
     } else if t.group == GroupKind::Other {
         Some(DropReason::Group)
+    } else if t.group_unseen {
+        Some(DropReason::GroupUnknown)
     } else if t.locality == Some(Locality::Remote) {
         Some(DropReason::Remote)
     } else if t.ownership.is_some_and(|o| o.eq_ignore_ascii_case(b"kvcr")) {
@@ -116,30 +104,43 @@ impl Decoder {
         (tier, loc)
     }
 
-    /// The kind of an event's group: from its `kv_cache_spec_kind` (remembered for its
-    /// `group_idx`, when below [`MAX_GROUPS`]), else the kind remembered for its `group_idx`.
-    pub(crate) fn group_kind(
+    /// The kind of a store's group, and whether the store contradicts what its group is pinned
+    /// to (groups.rs); learns from it otherwise, under both profiles.
+    pub(crate) fn store_group(
         &mut self,
         buf: &[u8],
-        spec_kind: Option<Span>,
-        group: Option<u32>,
-    ) -> GroupKind {
-        match (spec_kind, group) {
-            (Some(k), g) => {
-                let kind = GroupKind::of_spec_kind(k.get(buf));
-                if let Some(g) = g {
-                    let g = g as usize;
-                    if g < MAX_GROUPS {
-                        if self.group_kind.len() <= g {
-                            self.group_kind.resize(g + 1, GroupKind::Unknown);
-                        }
-                        self.group_kind[g] = kind;
-                    }
-                }
-                kind
-            }
-            (None, Some(g)) => self.group_kind.get(g as usize).copied().unwrap_or_default(),
-            (None, None) => GroupKind::Unknown,
+        f: &super::fields::Fields,
+        tier: Option<Tier>,
+    ) -> (GroupKind, bool) {
+        let kind = f.kind.map(|k| GroupKind::of_spec_kind(k.get(buf)));
+        let Some(idx) = f.group else {
+            return (kind.unwrap_or_default(), false);
+        };
+        let device = matches!(tier, None | Some(Tier::Device));
+        let bs =
+            f.bs.filter(|&b| b > 0 && b <= u32::MAX as u64)
+                .map(|b| b as u32);
+        let (kind, conflict) = self.groups.store(StoreGroup {
+            idx,
+            kind,
+            window: f.sliding,
+            device_block_size: bs.filter(|_| device),
+        });
+        (kind, conflict == Conflict::Yes)
+    }
+
+    /// The kind of a removal's group: its own `kv_cache_spec_kind` if it has one, else what
+    /// was learnt for its `group_idx`; and whether no store of that group has been seen.
+    pub(crate) fn removal_group(&self, buf: &[u8], f: &super::fields::Fields) -> (GroupKind, bool) {
+        if let Some(k) = f.kind {
+            return (GroupKind::of_spec_kind(k.get(buf)), false);
+        }
+        match f.group {
+            None => (GroupKind::Unknown, false),
+            Some(idx) => match self.groups.get(idx) {
+                Some(g) => (g.kind, false),
+                None => (GroupKind::Unknown, true),
+            },
         }
     }
 

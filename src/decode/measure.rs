@@ -39,7 +39,7 @@ impl Decoder {
                 self.stats.unpairable_stores += 1;
             }
         }
-        let Some((tier, locality)) = self.kept(buf, f, !pairable) else {
+        let Some((tier, locality)) = self.kept(buf, f, true, !pairable) else {
             return self.hashes.truncate(hmark);
         };
         if !pairable {
@@ -165,7 +165,7 @@ impl Decoder {
             self.stats.empty_events += 1;
             return self.hashes.truncate(hmark);
         }
-        let Some((tier, locality)) = self.kept(buf, f, false) else {
+        let Some((tier, locality)) = self.kept(buf, f, false, false) else {
             return self.hashes.truncate(hmark);
         };
         let mut ev = Ev {
@@ -210,18 +210,26 @@ impl Decoder {
     }
 
     /// Tier and locality of a store or removal, or `None` when the profile drops it (counted).
-    /// The group's kind is remembered either way.
+    /// A store's group is learnt from either way.
     fn kept(
         &mut self,
         buf: &[u8],
         f: &Fields,
+        store: bool,
         unpairable: bool,
     ) -> Option<(Option<Tier>, Option<Locality>)> {
         let (tier, locality) = self.classify(buf, f.medium, f.locality);
-        let group = self.group_kind(buf, f.kind, f.group);
+        let ((group, group_conflict), group_unseen) = if store {
+            (self.store_group(buf, f, tier), false)
+        } else {
+            let (kind, unseen) = self.removal_group(buf, f);
+            ((kind, false), unseen)
+        };
         let t = Traits {
             tier,
             group,
+            group_unseen,
+            group_conflict,
             locality,
             ownership: f.ownership.map(|o| o.get(buf)),
             unpairable,

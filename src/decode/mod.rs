@@ -152,6 +152,7 @@ mod enums;
 mod error;
 mod fields;
 mod filter;
+mod groups;
 mod measure;
 mod observe;
 mod pack;
@@ -165,11 +166,11 @@ mod stats;
 pub use crate::ring::RecordHeader;
 pub use encode::encode_cleared;
 pub use error::{DecodeError, DecodeErrorKind};
+pub use groups::{parse_note as parse_group_note, GroupNote};
 pub use reader::MAX_DEPTH as MAX_SKIP_DEPTH;
 pub use source::{ClearedBatch, PlannedBatch};
 pub use stats::DecodeStats;
 
-use filter::GroupKind;
 use scratch::{BlockInfo, Ev, Part, Rec};
 
 /// Which events reach the SMG endpoint (docs/smg-api.md §5 "SMG filter profile").
@@ -248,8 +249,8 @@ pub struct Decoder {
     chunks: Vec<(u32, u32)>,
     /// The last pairable `block_size` (engines use one block size per group).
     bs_hint: u32,
-    /// The kind of each group seen with a `kv_cache_spec_kind`, by `group_idx` (filter.rs).
-    group_kind: Vec<GroupKind>,
+    /// What the stores taught about each group of this rank (groups.rs, filter.rs).
+    groups: groups::Groups,
     /// The batch's `ts`.
     ts: f64,
     /// Length of the planned payload (checked by `write_record`).
@@ -285,7 +286,7 @@ impl Decoder {
             recs: Vec::new(),
             chunks: Vec::new(),
             bs_hint: 16,
-            group_kind: Vec::new(),
+            groups: groups::Groups::default(),
             ts: 0.0,
             payload_len: 0,
             lost_removals: 0,

@@ -39,6 +39,9 @@ impl StoredEvent for StoredView<'_> {
     fn tier(&self) -> Option<i32> {
         self.ev.tier.map(Tier::value)
     }
+    fn group(&self) -> Option<u32> {
+        self.ev.group_idx
+    }
     fn blocks(&self) -> usize {
         self.ev.n as usize
     }
@@ -90,6 +93,7 @@ impl Decoder {
                 EvKind::Removed => v.removed(
                     &self.hashes[ev.hash_start as usize..(ev.hash_start + ev.n) as usize],
                     ev.tier.map(Tier::value),
+                    ev.group_idx,
                 ),
                 EvKind::Cleared => v.cleared(),
             }
@@ -114,7 +118,7 @@ mod tests {
                 self.0.push(b);
             }
         }
-        fn removed(&mut self, _: &[i64], _: Option<i32>) {}
+        fn removed(&mut self, _: &[i64], _: Option<i32>, _: Option<u32>) {}
         fn cleared(&mut self) {}
     }
 

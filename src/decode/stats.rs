@@ -51,6 +51,10 @@ pub struct DecodeStats {
     pub filtered_tier: u64,
     /// Profile::Smg: dropped for a non-main-attention group.
     pub filtered_group: u64,
+    /// Profile::Smg: removals of a group no store has been seen of (kind unknown).
+    pub filtered_group_unknown: u64,
+    /// Profile::Smg: stores contradicting their group's pinned kind or block size.
+    pub filtered_group_conflict: u64,
     /// Profile::Smg: dropped for REMOTE locality.
     pub filtered_remote: u64,
     /// Profile::Smg: dropped for `kvcr` ownership.
@@ -111,6 +115,8 @@ impl DecodeStats {
             ("hash_only_stores", self.hash_only_stores),
             ("filtered_tier", self.filtered_tier),
             ("filtered_group", self.filtered_group),
+            ("filtered_group_unknown", self.filtered_group_unknown),
+            ("filtered_group_conflict", self.filtered_group_conflict),
             ("filtered_remote", self.filtered_remote),
             ("filtered_ownership", self.filtered_ownership),
             ("filtered_unpairable", self.filtered_unpairable),

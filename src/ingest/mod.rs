@@ -30,7 +30,7 @@ use thiserror::Error;
 use crate::decode::{DecodeConfig, Decoder};
 use crate::health::UpstreamState;
 use crate::metrics::Metrics;
-use crate::ring::RingHub;
+use crate::ring::{Recovered, RingHub};
 pub use config::{
     IngestConfig, RankEndpoint, DEFAULT_MAX_ENGINE_MESSAGE, DEFAULT_REPLAY_TIMEOUT_MS,
     MAX_MAX_ENGINE_MESSAGE, MIN_MAX_ENGINE_MESSAGE,
@@ -78,13 +78,14 @@ pub struct Ingest {
 impl Ingest {
     /// Creates every socket (so that a bad endpoint fails here, before anything runs), then
     /// starts one thread per rank. `decode` shapes the records (split threshold, filter
-    /// profile); its payload limit is `cfg.max_engine_message`, whatever it says. `resume` tells
-    /// what the ring already holds of a rank ([`Resume::from_ring`]).
+    /// profile); its payload limit is `cfg.max_engine_message`, whatever it says. `recovered`
+    /// is what the merged ring already holds: each rank's last batch ([`Resume::from_ring`])
+    /// and the KV-cache groups learnt before (the ring's writer notes).
     pub fn start(
         cfg: &IngestConfig,
         decode: DecodeConfig,
         targets: Vec<Targets>,
-        resume: &dyn Fn(u32) -> Resume,
+        recovered: &Recovered,
         metrics: &Arc<Metrics>,
         upstream: Arc<UpstreamState>,
     ) -> Result<Ingest, IngestError> {
@@ -100,13 +101,15 @@ impl Ingest {
             for cause in crate::ring::ClearCause::ALL {
                 m.clear_series(cause.label());
             }
-            let decoder = Decoder::new(DecodeConfig {
+            let mut decoder = Decoder::new(DecodeConfig {
                 // One limit: what ZMQ lets through, the decoder accepts.
                 max_payload: cfg.max_engine_message as usize,
                 ..decode.clone()
             });
+            decoder.restore_groups(sink::groups_of(&recovered.notes, rank.rank));
+            let resume = Resume::from_ring(recovered, rank.rank);
             workers.push(RankWorker {
-                state: RankState::new(resume(rank.rank), Limits::default(), m.clone()),
+                state: RankState::new(resume, Limits::default(), m.clone()),
                 sink: RingSink::new(rank.rank, decoder, tgt, m.clone()),
                 monitor,
                 lost_since: None,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::upstream::Sink;
 use super::Targets;
-use crate::decode::{ClearedBatch, Decoder};
+use crate::decode::{parse_group_note, ClearedBatch, Decoder, GroupNote};
 use crate::metrics::RankMetrics;
 use crate::ring::{ClearCause, RingHub};
 
@@ -58,6 +58,40 @@ impl RingSink {
     }
 }
 
+impl RingSink {
+    /// Writes this rank's groups to the writer notes of each ring it feeds, when the decoder
+    /// learnt something new (decode/groups.rs: why they must survive a restart).
+    fn keep_groups(&mut self) {
+        let Some(notes) = self.decoder.group_notes_changed(self.rank) else {
+            return;
+        };
+        let rank = self.rank;
+        let mut failed = None;
+        for (hub, _) in ring_targets(&self.targets) {
+            let kept = hub.update_notes(|all| {
+                all.retain(|n| !matches!(parse_group_note(n), Some((r, _, _)) if r == rank));
+                all.extend_from_slice(&notes);
+            });
+            if let Err(e) = kept {
+                failed = Some(format!("ring {} notes write failed: {e}", hub.label()));
+            }
+        }
+        if let Some(msg) = failed {
+            self.warn_limited("ring_notes", &msg);
+        }
+    }
+}
+
+/// The groups of `rank` among a ring's writer notes.
+pub(super) fn groups_of(notes: &[[u8; 16]], rank: u32) -> Vec<(u32, GroupNote)> {
+    notes
+        .iter()
+        .filter_map(parse_group_note)
+        .filter(|(r, _, _)| *r == rank)
+        .map(|(_, i, g)| (i, g))
+        .collect()
+}
+
 /// Each ring this rank feeds, with whether its records carry `dp_rank`.
 fn ring_targets(t: &Targets) -> impl Iterator<Item = (&Arc<RingHub>, bool)> {
     std::iter::once((&t.merged, t.merged_sends_rank)).chain(t.own.iter().map(|h| (h, true)))
@@ -93,6 +127,8 @@ impl Sink for RingSink {
             );
             self.clear(seq, ClearCause::LostRemoval);
         }
+        // What the batch taught about its groups is in the ring before the batch is.
+        self.keep_groups();
         let batch_rank = match plan.rank {
             Some(r) => {
                 if r != self.rank as i64 {
@@ -123,6 +159,12 @@ impl Sink for RingSink {
     }
 
     fn clear(&mut self, upstream_seq: u64, cause: ClearCause) {
+        if cause == ClearCause::EngineRestart {
+            // The new incarnation teaches its groups again (it may serve another model); its
+            // removals of a group come after its stores.
+            self.decoder.forget_groups();
+            self.keep_groups();
+        }
         self.m.clear(cause.label());
         let msg = format!("signalling a cleared cache in band (engine seq {upstream_seq})");
         self.warn_limited(cause.label(), &msg);

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use kvbridge_shm::layout::{NOTES_MAX, NOTE_LEN};
 use kvbridge_shm::{
     ReadOutcome, RecordMeta, Replaced, RingReader, RingWriter, ShmError, WriterOptions,
 };
@@ -76,6 +77,8 @@ pub enum RingError {
 
 struct WriterState {
     writer: RingWriter,
+    /// What the ring's writer notes hold (written through [`RingHub::update_notes`]).
+    notes: Vec<[u8; NOTE_LEN]>,
     next_event_id: u64,
     /// The records of the source being published, for the hook (capacity kept: no allocation
     /// per publish in steady state; emptied before the lock is released).
@@ -158,6 +161,9 @@ pub struct Recovered {
     pub corrupt_records: u64,
     /// Why a file found at the path was replaced by a new ring instead of adopted.
     pub replaced: Option<Replaced>,
+    /// The writer notes the ring holds (shm LAYOUT.md §3.1; empty for a new ring): what the
+    /// last kvbridge on it learnt and cannot be derived from the records.
+    pub notes: Vec<[u8; NOTE_LEN]>,
 }
 
 impl RingHub {
@@ -176,9 +182,11 @@ impl RingHub {
         let writer = RingWriter::open(path, opts).map_err(err)?;
         let reader = RingReader::open(path).map_err(err)?;
         let adopted = writer.adopted();
+        let notes = writer.notes();
         let mut recovered = Recovered {
             adopted,
             replaced: writer.replaced().cloned(),
+            notes: notes.clone(),
             ..Default::default()
         };
         match &recovered.replaced {
@@ -208,6 +216,7 @@ impl RingHub {
             label: label.to_string(),
             writer: Mutex::new(WriterState {
                 writer,
+                notes,
                 next_event_id,
                 published: Vec::new(),
             }),
@@ -286,6 +295,29 @@ impl RingHub {
             self.notify.notify_waiters();
         }
         Ok(out)
+    }
+
+    /// Edits the ring's writer notes with `edit` and writes them (crash-atomically, shm
+    /// LAYOUT.md §3.1), under the writer lock; more than the header holds are cut, with an
+    /// error logged.
+    pub fn update_notes(
+        &self,
+        edit: impl FnOnce(&mut Vec<[u8; NOTE_LEN]>),
+    ) -> Result<(), ShmError> {
+        let mut st = self.writer.lock();
+        let mut notes = st.notes.clone();
+        edit(&mut notes);
+        if notes == st.notes {
+            return Ok(());
+        }
+        if notes.len() > NOTES_MAX {
+            tracing::error!(ring = %self.label, notes = notes.len(), max = NOTES_MAX,
+                "more writer notes than the ring header holds: the rest are not kept across a restart");
+            notes.truncate(NOTES_MAX);
+        }
+        st.writer.set_notes(&notes)?;
+        st.notes = notes;
+        Ok(())
     }
 
     /// Installs the hook that sees every published source (once; later calls are ignored).

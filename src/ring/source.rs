@@ -47,8 +47,9 @@ pub trait RecordSource {
 pub trait EventVisitor {
     /// A kept `BlockStored` (the whole engine event, even when it was split into parts).
     fn stored(&mut self, ev: &dyn StoredEvent);
-    /// A kept `BlockRemoved`: its hashes and its `KvCacheTier` value (`None`: unset).
-    fn removed(&mut self, hashes: &[i64], tier: Option<i32>);
+    /// A kept `BlockRemoved`: its hashes, its `KvCacheTier` value (`None`: unset) and its
+    /// `group_idx` (`None`: unset).
+    fn removed(&mut self, hashes: &[i64], tier: Option<i32>, group: Option<u32>);
     /// A kept `cleared` (from the engine or synthesized by kvbridge).
     fn cleared(&mut self);
 }
@@ -59,6 +60,8 @@ pub trait StoredEvent {
     fn parent(&self) -> Option<i64>;
     /// Its `KvCacheTier` value (`None`: unset).
     fn tier(&self) -> Option<i32>;
+    /// Its `group_idx` (`None`: unset).
+    fn group(&self) -> Option<u32>;
     /// Number of blocks.
     fn blocks(&self) -> usize;
     /// `block_hash` of block `i`.

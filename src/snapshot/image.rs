@@ -2,10 +2,10 @@
 //! held only as long as a copy takes), and read back outside it to build snapshot chunks or to
 //! restore a table from a checkpoint. The byte layout is specified in `LAYOUT.md` beside this
 //! file (§2, "image").
-use super::table::{Entry, Table};
+use super::table::{Entry, Key, Table};
 
 /// Image format version (`LAYOUT.md` §2).
-pub(crate) const IMAGE_VERSION: u32 = 1;
+pub(crate) const IMAGE_VERSION: u32 = 2;
 
 /// Why an image could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -44,9 +44,10 @@ impl Table {
             out.extend_from_slice(&a.bytes);
         }
         put_u64(out, self.len() as u64);
-        for (hash, class, e) in self.entries() {
-            put_u64(out, hash as u64);
-            out.push(class);
+        for (key, e) in self.entries() {
+            put_u64(out, key.hash() as u64);
+            out.push(key.class());
+            out.extend_from_slice(&key.group().to_le_bytes());
             out.push(e.copies);
             out.extend_from_slice(&e.rank.to_le_bytes());
             out.push(e.parent.is_some() as u8);
@@ -67,6 +68,8 @@ impl Table {
 pub(crate) struct ImageBlock<'a> {
     pub(crate) hash: i64,
     pub(crate) class: u8,
+    /// The table's group (`group_idx`, unset = 0); 0 in a version 1 image.
+    pub(crate) group: u16,
     pub(crate) copies: u8,
     pub(crate) rank: u16,
     pub(crate) parent: Option<i64>,
@@ -118,7 +121,7 @@ impl<'a> Image<'a> {
     /// Reads an image written by [`Table::write_image`].
     pub(crate) fn parse(b: &'a [u8]) -> Result<Self, ImageError> {
         let mut r = Rd { b, pos: 0 };
-        let _version = r.u32()?;
+        let version = r.u32()?;
         let cut = r.u64()?;
         let origin = r.u64()?;
         let unknown = r.u64()?;
@@ -144,6 +147,7 @@ impl<'a> Image<'a> {
         for _ in 0..nb {
             let hash = r.u64()? as i64;
             let class = r.u8()?;
+            let group = if version >= 2 { r.u16()? } else { 0 };
             let copies = r.u8()?;
             let rank = r.u16()?;
             let has_parent = r.u8()? != 0;
@@ -157,6 +161,7 @@ impl<'a> Image<'a> {
             blocks.push(ImageBlock {
                 hash,
                 class,
+                group,
                 copies,
                 rank,
                 parent: has_parent.then_some(parent),
@@ -191,7 +196,7 @@ impl<'a> Image<'a> {
                 continue;
             };
             let e = Entry::new(b.parent, b.block, attrs, b.copies.max(1), b.rank);
-            if !t.insert(b.hash, b.class, e) {
+            if !t.insert(Key::new(b.hash, b.class, b.group), e) {
                 lost = true;
             }
         }

@@ -13,6 +13,7 @@ use bytes::Bytes;
 struct Stored {
     parent: Option<i64>,
     tier: Option<i32>,
+    group: Option<u32>,
     attrs: Vec<u8>,
     hashes: Vec<i64>,
     /// Block `i` is `blocks[ends[i - 1] .. ends[i]]` (from 0 for the first).
@@ -23,7 +24,11 @@ struct Stored {
 /// One recorded event.
 enum Event {
     Stored(Stored),
-    Removed { hashes: Vec<i64>, tier: Option<i32> },
+    Removed {
+        hashes: Vec<i64>,
+        tier: Option<i32>,
+        group: Option<u32>,
+    },
     Cleared,
 }
 
@@ -59,7 +64,11 @@ impl Logged {
         for e in &self.events {
             match e {
                 Event::Stored(st) => v.stored(st),
-                Event::Removed { hashes, tier } => v.removed(hashes, *tier),
+                Event::Removed {
+                    hashes,
+                    tier,
+                    group,
+                } => v.removed(hashes, *tier, *group),
                 Event::Cleared => v.cleared(),
             }
         }
@@ -83,16 +92,18 @@ impl EventVisitor for Recorder {
         self.0.push(Event::Stored(Stored {
             parent: ev.parent(),
             tier: ev.tier(),
+            group: ev.group(),
             attrs,
             hashes,
             blocks,
             ends,
         }));
     }
-    fn removed(&mut self, hashes: &[i64], tier: Option<i32>) {
+    fn removed(&mut self, hashes: &[i64], tier: Option<i32>, group: Option<u32>) {
         self.0.push(Event::Removed {
             hashes: hashes.to_vec(),
             tier,
+            group,
         });
     }
     fn cleared(&mut self) {
@@ -106,6 +117,9 @@ impl StoredEvent for Stored {
     }
     fn tier(&self) -> Option<i32> {
         self.tier
+    }
+    fn group(&self) -> Option<u32> {
+        self.group
     }
     fn blocks(&self) -> usize {
         self.hashes.len()

@@ -259,6 +259,9 @@ impl StoredEvent for ProstStored<'_> {
     fn tier(&self) -> Option<i32> {
         self.0.tier
     }
+    fn group(&self) -> Option<u32> {
+        self.0.group_idx
+    }
     fn blocks(&self) -> usize {
         self.0.blocks.len()
     }
@@ -283,7 +286,9 @@ fn visit_batch(batch: &KvEventBatch, v: &mut dyn EventVisitor) {
     for ev in &batch.events {
         match &ev.data {
             Some(kv_cache_event::Data::Stored(s)) => v.stored(&ProstStored(s)),
-            Some(kv_cache_event::Data::Removed(r)) => v.removed(&r.block_hashes, r.tier),
+            Some(kv_cache_event::Data::Removed(r)) => {
+                v.removed(&r.block_hashes, r.tier, r.group_idx)
+            }
             Some(kv_cache_event::Data::Cleared(_)) => v.cleared(),
             None => {}
         }

@@ -3,17 +3,20 @@
 //!
 //! It mirrors what a G2 gateway that followed the ring from the start holds for the worker
 //! (docs/smg-api.md §4, smg 1.13 `WorkerIndexState`): blocks are pooled over the ring's ranks,
-//! keyed by (`block_hash`, copy class), where the class is the tier the gateway counts copies
-//! on (device — also unset —, host, and, under `--profile all`, disk and external); a second
-//! store of a held (hash, class) is another physical copy (capped at [`COPIES_CAP`], as the
-//! gateway caps it); a removal drops one copy of its class; a `cleared` from any rank empties the
+//! keyed by (`block_hash`, copy class, KV-cache group), where the class is the tier the gateway
+//! counts copies on (device — also unset —, host, and, under `--profile all`, disk and
+//! external) and the group is `group_idx` (unset = 0): a hybrid model's engine stores the same
+//! hash in its sliding-window and its full-attention group, and the two are separate blocks
+//! with separate lives (a sliding group's removal leaves the full group's copy); a second
+//! store of a held (hash, class, group) is another physical copy (capped at [`COPIES_CAP`], as
+//! the gateway caps it); a removal drops one copy of its class and group; a `cleared` from any rank empties the
 //! table, because on a shared stream it empties the gateway's whole worker too. Per-rank block
 //! counts are kept for metrics (the rank of a block's first store).
 //!
 //! **Memory.** Tokens dominate, so a block keeps exactly its wire form: the `KvBlocksStored.blocks`
 //! entry (tag, length, `KvBlock` with packed varint tokens, `block_size`, `lora_id`,
 //! `cache_level`, `extra_keys`), back to back with the others in one arena, plus a packed
-//! 29-byte map slot: hash, class, parent, arena offset, copy count, rank and the id of its
+//! 31-byte map slot: hash, class, group, parent, arena offset, copy count, rank and the id of its
 //! store's attribute set (fields 3–12 of `KvBlocksStored`, interned and reference counted:
 //! thousands of blocks share a handful). [`Table::bytes`] reports what the table holds (slots,
 //! arena, attribute sets), so bytes per block can be read off the metrics.
@@ -79,34 +82,52 @@ pub(crate) fn class_of(tier: Option<i32>) -> u8 {
     }
 }
 
-/// The map key of a held block: its hash and copy class, packed into 9 bytes (an aligned
-/// `(i64, u8)` takes 16). The table's update is bound by cache misses in this map, and at a
-/// million blocks its slots are most of the table's memory: the slot size is its cost.
+/// The table's group of a `group_idx`: unset is group 0 (an engine with one group may send it
+/// on stores and not on removals); indices past `u16::MAX` share the last value.
+pub(crate) fn group_of(group_idx: Option<u32>) -> u16 {
+    group_idx.unwrap_or(0).min(u16::MAX as u32) as u16
+}
+
+/// The map key of a held block: its hash, copy class and group, packed into 11 bytes (an
+/// aligned `(i64, u8, u16)` takes 16). The table's update is bound by cache misses in this
+/// map, and at a million blocks its slots are most of the table's memory: the slot size is its
+/// cost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C, packed)]
 pub(crate) struct Key {
     hash: i64,
     class: u8,
+    group: u16,
 }
 
 impl Key {
-    pub(crate) fn new(hash: i64, class: u8) -> Self {
-        Key { hash, class }
+    pub(crate) fn new(hash: i64, class: u8, group: u16) -> Self {
+        Key { hash, class, group }
+    }
+    pub(crate) fn hash(&self) -> i64 {
+        self.hash
+    }
+    pub(crate) fn class(&self) -> u8 {
+        self.class
+    }
+    pub(crate) fn group(&self) -> u16 {
+        self.group
     }
 }
 
 impl std::hash::Hash for Key {
     #[inline]
     fn hash<H: Hasher>(&self, h: &mut H) {
-        // one round: the class spread over every bit, so a block's classes land apart
-        let (hash, class) = (self.hash, self.class);
-        h.write_u64(hash as u64 ^ (class as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        // one round: class and group spread over every bit, so a block's places land apart
+        let (hash, class, group) = (self.hash, self.class, self.group);
+        let place = (group as u64) << 8 | class as u64;
+        h.write_u64(hash as u64 ^ place.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     }
 }
 
 /// What the map keeps of one held block, packed into 20 bytes: its parent, where its bytes are
 /// in the [`Arena`] (40 bits), its attribute set, rank, copies and whether it has a parent.
-/// With the key a slot is 29 bytes (an aligned layout with a boxed slice took 48, and the box's
+/// With the key a slot is 31 bytes (an aligned layout with a boxed slice took 48, and the box's
 /// own allocation 16–24 more).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, packed)]
@@ -122,7 +143,7 @@ struct Slot {
 
 const HAS_PARENT: u8 = 0x80;
 
-const _: () = assert!(std::mem::size_of::<(Key, Slot)>() == 29);
+const _: () = assert!(std::mem::size_of::<(Key, Slot)>() == 31);
 const _: () = assert!(COPIES_CAP < 16);
 
 impl Slot {
@@ -340,9 +361,8 @@ impl Table {
     }
 
     /// Every held block, in the map's order.
-    pub(crate) fn entries(&self) -> impl ExactSizeIterator<Item = (i64, u8, Entry<'_>)> + '_ {
+    pub(crate) fn entries(&self) -> impl ExactSizeIterator<Item = (Key, Entry<'_>)> + '_ {
         self.blocks.iter().map(|(k, s)| {
-            let (hash, class) = (k.hash, k.class);
             let e = Entry::new(
                 s.parent(),
                 self.arena.get(s.off()).0,
@@ -350,7 +370,7 @@ impl Table {
                 s.copies(),
                 s.rank,
             );
-            (hash, class, e)
+            (*k, e)
         })
     }
 
@@ -469,14 +489,14 @@ impl Table {
     }
 
     /// Inserts a block (used by the checkpoint loader and the ring catch-up as well).
-    pub(crate) fn insert(&mut self, hash: i64, class: u8, e: Entry<'_>) -> bool {
+    pub(crate) fn insert(&mut self, key: Key, e: Entry<'_>) -> bool {
         if self.blocks.len() >= self.max_blocks {
             return false;
         }
         let off = self.arena.put(e.block);
         self.count_in(e.attrs, e.rank);
         let slot = Slot::new(e.parent, off, e.attrs, e.copies, e.rank);
-        if let Some(old) = self.blocks.insert(Key::new(hash, class), slot) {
+        if let Some(old) = self.blocks.insert(key, slot) {
             self.drop_slot(&old);
         }
         true
@@ -503,6 +523,7 @@ impl Table {
 
     fn store(&mut self, ev: &dyn StoredEvent) {
         let class = class_of(ev.tier());
+        let group = group_of(ev.group());
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         ev.write_attrs(&mut scratch);
@@ -512,7 +533,7 @@ impl Table {
             let hash = ev.hash(i);
             let full = self.blocks.len() >= self.max_blocks;
             // one lookup per block: the entry is either another copy or a new block
-            match self.blocks.entry(Key::new(hash, class)) {
+            match self.blocks.entry(Key::new(hash, class, group)) {
                 std::collections::hash_map::Entry::Occupied(mut o) => {
                     let e = o.get_mut();
                     e.set_copies(e.copies() + 1);
@@ -543,10 +564,10 @@ impl Table {
         }
     }
 
-    /// Drops one copy of each hash in `class`.
-    pub(crate) fn remove(&mut self, hashes: &[i64], class: u8) {
+    /// Drops one copy of each hash in `class` and `group`.
+    pub(crate) fn remove(&mut self, hashes: &[i64], class: u8, group: u16) {
         for &h in hashes {
-            let key = Key::new(h, class);
+            let key = Key::new(h, class, group);
             let Some(e) = self.blocks.get_mut(&key) else {
                 continue;
             };
@@ -600,8 +621,8 @@ impl EventVisitor for Apply<'_> {
     fn stored(&mut self, ev: &dyn StoredEvent) {
         self.t.store(ev);
     }
-    fn removed(&mut self, hashes: &[i64], tier: Option<i32>) {
-        self.t.remove(hashes, class_of(tier));
+    fn removed(&mut self, hashes: &[i64], tier: Option<i32>, group: Option<u32>) {
+        self.t.remove(hashes, class_of(tier), group_of(group));
     }
     fn cleared(&mut self) {
         self.t.clear(self.seq);
@@ -619,6 +640,7 @@ mod tests {
     struct Ev {
         parent: Option<i64>,
         tier: Option<i32>,
+        group: Option<u32>,
         hashes: Vec<i64>,
         blocks: Vec<Vec<u8>>,
         attrs: Vec<u8>,
@@ -630,6 +652,9 @@ mod tests {
         }
         fn tier(&self) -> Option<i32> {
             self.tier
+        }
+        fn group(&self) -> Option<u32> {
+            self.group
         }
         fn blocks(&self) -> usize {
             self.hashes.len()
@@ -648,7 +673,7 @@ mod tests {
     #[derive(Clone, Debug)]
     enum Op {
         Store(u16, Ev),
-        Remove(Vec<i64>, Option<i32>),
+        Remove(Vec<i64>, Option<i32>, Option<u32>),
         Clear,
     }
 
@@ -658,7 +683,7 @@ mod tests {
     /// The reference: a plain map with the table's rules, written out directly.
     #[derive(Default)]
     struct Reference {
-        blocks: HashMap<(i64, u8), RefBlock>,
+        blocks: HashMap<(i64, u8, u16), RefBlock>,
         max: usize,
         unknown: u64,
     }
@@ -667,11 +692,11 @@ mod tests {
         fn apply(&mut self, op: &Op) {
             match op {
                 Op::Store(rank, ev) => {
-                    let class = class_of(ev.tier);
+                    let (class, group) = (class_of(ev.tier), group_of(ev.group));
                     let mut lost = false;
                     for (i, &h) in ev.hashes.iter().enumerate() {
                         let full = self.blocks.len() >= self.max;
-                        match self.blocks.get_mut(&(h, class)) {
+                        match self.blocks.get_mut(&(h, class, group)) {
                             Some(b) => b.3 = (b.3 + 1).min(COPIES_CAP),
                             None if full => lost = true,
                             None => {
@@ -681,7 +706,7 @@ mod tests {
                                     Some(ev.hashes[i - 1])
                                 };
                                 let b = (parent, ev.blocks[i].clone(), ev.attrs.clone(), 1, *rank);
-                                self.blocks.insert((h, class), b);
+                                self.blocks.insert((h, class, group), b);
                             }
                         }
                     }
@@ -689,14 +714,14 @@ mod tests {
                         self.unknown += 1;
                     }
                 }
-                Op::Remove(hashes, tier) => {
-                    let class = class_of(*tier);
+                Op::Remove(hashes, tier, group) => {
+                    let key = |h: i64| (h, class_of(*tier), group_of(*group));
                     for h in hashes {
-                        if let Some(b) = self.blocks.get_mut(&(*h, class)) {
+                        if let Some(b) = self.blocks.get_mut(&key(*h)) {
                             if b.3 > 1 {
                                 b.3 -= 1;
                             } else {
-                                self.blocks.remove(&(*h, class));
+                                self.blocks.remove(&key(*h));
                             }
                         }
                     }
@@ -716,18 +741,18 @@ mod tests {
         };
         t.apply_with(rank, seq, seq, &mut |v| match op {
             Op::Store(_, ev) => v.stored(ev),
-            Op::Remove(h, tier) => v.removed(h, *tier),
+            Op::Remove(h, tier, group) => v.removed(h, *tier, *group),
             Op::Clear => v.cleared(),
         });
     }
 
     /// The table's content in the reference's form.
-    fn content(t: &Table) -> HashMap<(i64, u8), RefBlock> {
+    fn content(t: &Table) -> HashMap<(i64, u8, u16), RefBlock> {
         t.entries()
-            .map(|(h, c, e)| {
+            .map(|(k, e)| {
                 let attrs = t.attrs[e.attrs as usize].bytes.to_vec();
                 (
-                    (h, c),
+                    (k.hash(), k.class(), k.group()),
                     (e.parent, e.block.to_vec(), attrs, e.copies, e.rank),
                 )
             })
@@ -738,6 +763,11 @@ mod tests {
         prop_oneof![Just(None), Just(Some(1)), Just(Some(2)), Just(Some(3))]
     }
 
+    /// Unset and 0 are the same group; a hybrid model's second group.
+    fn group() -> impl Strategy<Value = Option<u32>> {
+        prop_oneof![Just(None), Just(Some(0)), Just(Some(1))]
+    }
+
     fn op() -> impl Strategy<Value = Op> {
         // few hashes, so that stores hit held blocks and removals find them
         let hashes = proptest::collection::vec(0i64..48, 1..12);
@@ -745,6 +775,7 @@ mod tests {
             0u16..3,
             proptest::option::of(0i64..48),
             tier(),
+            group(),
             hashes.clone(),
             // lengths vary, so that holes of many sizes are left and the arena compacts
             proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..90), 12),
@@ -754,13 +785,14 @@ mod tests {
                 Just(vec![0x22, 2, b'a', b'b'])
             ],
         )
-            .prop_map(|(rank, parent, tier, hashes, mut blocks, attrs)| {
+            .prop_map(|(rank, parent, tier, group, hashes, mut blocks, attrs)| {
                 blocks.truncate(hashes.len());
                 Op::Store(
                     rank,
                     Ev {
                         parent,
                         tier,
+                        group,
                         hashes,
                         blocks,
                         attrs,
@@ -769,7 +801,7 @@ mod tests {
             });
         prop_oneof![
             6 => store,
-            5 => (hashes, tier()).prop_map(|(h, t)| Op::Remove(h, t)),
+            5 => (hashes, tier(), group()).prop_map(|(h, t, g)| Op::Remove(h, t, g)),
             1 => Just(Op::Clear),
         ]
     }
@@ -835,6 +867,7 @@ mod tests {
             let ev = Ev {
                 parent: None,
                 tier: None,
+                group: None,
                 hashes: vec![h],
                 blocks: vec![vec![7; n]],
                 attrs: vec![],
@@ -845,7 +878,7 @@ mod tests {
             store(&mut t, h, 1000);
         }
         let full = t.arena.used;
-        apply(&mut t, &Op::Remove((0..1500).collect(), None), 3000);
+        apply(&mut t, &Op::Remove((0..1500).collect(), None, None), 3000);
         assert!(
             t.arena.used < full / 2,
             "compacted: {} of {full}",
@@ -853,7 +886,7 @@ mod tests {
         );
         for h in 1500..2000 {
             assert_eq!(
-                t.arena.get(t.blocks[&Key::new(h, 0)].off()).0,
+                t.arena.get(t.blocks[&Key::new(h, 0, 0)].off()).0,
                 &[7; 1000][..]
             );
         }

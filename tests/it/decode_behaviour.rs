@@ -1,4 +1,4 @@
-//! Targeted behaviour: SMG filter reasons, group-kind memory, splitting, malformed input,
+//! Targeted behaviour: SMG filter reasons, group kinds pinned and remembered, splitting, malformed input,
 //! limits, counters.
 use kvbridge::decode::{
     DecodeConfig, DecodeErrorKind, Decoder, Profile, RecordHeader, MAX_SKIP_DEPTH,
@@ -153,11 +153,22 @@ fn smg_filter_reasons() {
     b2.batch(1).removal(&[9], &[], Some(1));
     assert_eq!(d.plan(&b2.0).unwrap().records, 0);
     assert_eq!(d.stats().emptied_batches, 1);
-    // ... until the group is re-declared as main attention
+    // a store that declares another kind under a pinned group is another cache under the same
+    // index (DeepSeek-V4's indexer cache): dropped as a conflict, and nothing is learnt from it
     let mut b3 = B::default();
     b3.batch(2)
         .store(10, 1, &[("kv_cache_spec_kind", "full_attention")], Some(1))
         .removal(&[9], &[], Some(1));
+    assert_eq!(d.plan(&b3.0).unwrap().records, 0);
+    assert_eq!(d.stats().filtered_group_conflict, 1);
+    assert_eq!(d.stats().filtered_group, 5);
+    // a removal of a group no store was seen of: its kind is unknown, it is dropped
+    let mut b4 = B::default();
+    b4.batch(1).removal(&[11], &[], Some(5));
+    assert_eq!(d.plan(&b4.0).unwrap().records, 0);
+    assert_eq!(d.stats().filtered_group_unknown, 1);
+    // a new engine incarnation teaches its groups again
+    d.forget_groups();
     assert_eq!(records(&mut d, &b3.0)[0].events.len(), 2);
     // Profile::All keeps everything
     let mut all = Decoder::new(DecodeConfig {

@@ -32,6 +32,7 @@ mod deploy;
 mod engine_incarnation;
 mod fanout_shape;
 mod gateway;
+mod hybrid_groups;
 mod interop;
 mod nats;
 mod ops;

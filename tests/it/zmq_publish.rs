@@ -179,12 +179,23 @@ fn h(i: u64) -> u64 {
 }
 
 /// An engine batch in vLLM 0.33's layout (map events) with every field kvbridge forwards.
+/// The `ts` of [`full_batch`] before an engine restart; [`TS_RESTARTED`] after it.
+const TS: f64 = 1_700_000_000.25;
+/// An engine stamps its batches with the wall clock, so its next incarnation never publishes the
+/// bytes of the last one at the same seq (docs/engine-wire.md §8: kvbridge tells them apart by
+/// content).
+const TS_RESTARTED: f64 = 1_700_000_100.25;
+
 fn full_batch(rank: u32) -> Vec<u8> {
+    full_batch_at(rank, TS)
+}
+
+fn full_batch_at(rank: u32, ts: f64) -> Vec<u8> {
     use rmp::encode::*;
     let mut o = Vec::new();
     let s = |o: &mut Vec<u8>, v: &str| write_str(o, v).unwrap();
     write_array_len(&mut o, 3).unwrap();
-    write_f64(&mut o, 1_700_000_000.25).unwrap();
+    write_f64(&mut o, ts).unwrap();
     write_array_len(&mut o, 3).unwrap();
     // BlockStored, 15 keys
     write_map_len(&mut o, 15).unwrap();
@@ -251,8 +262,12 @@ fn full_batch(rank: u32) -> Vec<u8> {
 
 /// What vLLM's decoder must read from the batch above, as kvbridge re-publishes it.
 fn full_batch_decoded(rank: u32) -> Value {
+    full_batch_decoded_at(rank, TS)
+}
+
+fn full_batch_decoded_at(rank: u32, ts: f64) -> Value {
     serde_json::json!({
-        "ts": 1_700_000_000.25,
+        "ts": ts,
         "rank": rank,
         "events": [
             {
@@ -385,7 +400,7 @@ fn wire_decodes_with_vllms_own_classes_and_survives_an_engine_restart() {
             Instant::now() < deadline,
             "nothing after the engine restart"
         );
-        engine.with(|p| p.publish(full_batch(0)));
+        engine.with(|p| p.publish(full_batch_at(0, TS_RESTARTED)));
         while let Some(m) = recv(&s, Duration::from_millis(300)) {
             after.push(m);
         }
@@ -425,7 +440,11 @@ fn wire_decodes_with_vllms_own_classes_and_survives_an_engine_restart() {
         "the engine restart, in-band"
     );
     for v in &d[2..after.len() + 1] {
-        assert_eq!(*v, full_batch_decoded(0), "after the restart");
+        assert_eq!(
+            *v,
+            full_batch_decoded_at(0, TS_RESTARTED),
+            "after the restart"
+        );
     }
     assert_eq!(
         d[after.len() + 1]["events"][0]["type"],

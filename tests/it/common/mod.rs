@@ -361,7 +361,10 @@ impl Bridge {
             .unwrap();
         let mut cmd = Command::new(bin());
         cmd.args(&args)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("KVB_TEST_LOG").unwrap_or("info".into()),
+            )
             .stdout(Stdio::null())
             .stderr(log);
         if let Some(n) = nofile {
