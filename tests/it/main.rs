@@ -42,5 +42,6 @@ mod real_engine;
 mod ring_race;
 mod rotate;
 mod serve;
+mod smg_real_engine;
 mod snapshot;
 mod zmq_publish;
