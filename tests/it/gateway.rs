@@ -212,6 +212,7 @@ impl<'a> Gateway<'a> {
             "smg",
             s.dir.path(),
             &urls,
+            "cache_aware",
             BLOCK,
             // The gateway's own GetLoads polling once an hour: what it learns about load
             // during the test comes from kvbridge's load records.

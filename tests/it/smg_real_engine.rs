@@ -89,7 +89,9 @@ struct Phase2 {
     queries: f64,
     /// Requests served by an engine that held their prefix before (the gateway's decision).
     to_holder: usize,
-    /// Per request: (prefix, engine, holders before, cached tokens).
+    /// The restarted gateway's `cache_aware` branches over phase 2.
+    decisions: Vec<String>,
+    /// Per request: prefix, engine, holders before, cached tokens.
     trace: Vec<String>,
 }
 
@@ -180,10 +182,61 @@ impl Rig {
         out
     }
 
-    /// A gateway over `urls`, once it has answered a completion (a prompt under one block:
-    /// no block stored, no prefix touched).
-    fn gateway(&mut self, name: &str, urls: &[String]) -> Smg {
-        let gw = Smg::launch(name, self.dir.path(), urls, BLOCK_SIZE, &[]);
+    /// Polls the gateway's Prometheus page until `pred` holds; panics with `what` and every log
+    /// after [`T`].
+    fn wait_gateway(&self, gw: &Smg, what: &str, pred: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + T;
+        while !pred(&gw.metrics()) {
+            if Instant::now() > deadline {
+                panic!("timed out waiting until {what}\n{}", self.logs(gw));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A gateway with `policy` over `urls` (`through_kvbridge`: the sidecars), once it has
+    /// (with `cache_aware`) subscribed to every worker's KV events and applied every record of
+    /// each sidecar's ring (by its own count; kvbridge answers a subscription from 0 with its
+    /// whole window), and answered a completion (a prompt under one block: no block stored, no
+    /// prefix touched).
+    fn gateway(
+        &mut self,
+        name: &str,
+        urls: &[String],
+        policy: &str,
+        through_kvbridge: bool,
+    ) -> Smg {
+        let gw = Smg::launch(name, self.dir.path(), urls, policy, BLOCK_SIZE, &[]);
+        for (i, url) in urls.iter().enumerate() {
+            if policy != "cache_aware" {
+                break;
+            }
+            self.wait_gateway(
+                &gw,
+                &format!("the gateway subscribed to {url}'s KV events"),
+                |page| metric(page, "smg_kv_event_subscriptions_total", &[("worker", url)]) >= 1.0,
+            );
+            if through_kvbridge {
+                let page = common::scrape(self.bridges[i].1);
+                let newest = metric(&page, "kvbridge_ring_newest_seq", &[]);
+                let window = if newest == 0.0 {
+                    0.0
+                } else {
+                    newest - metric(&page, "kvbridge_ring_oldest_seq", &[]) + 1.0
+                };
+                self.wait_gateway(
+                    &gw,
+                    &format!("the gateway applied the {window} records of {url}'s ring"),
+                    |page| {
+                        metric(
+                            page,
+                            "smg_kv_event_batches_total",
+                            &[("worker", url), ("disposition", "applied")],
+                        ) >= window
+                    },
+                );
+            }
+        }
         let deadline = Instant::now() + T;
         loop {
             let (status, body) = completion(gw.http, "w1 w2 w3 w4 w5");
@@ -252,54 +305,62 @@ impl Rig {
     /// Phase 1 through a first gateway over `urls`, a restart, phase 2 through a second one.
     /// `through_kvbridge`: the workers are the sidecars (else the engines themselves).
     fn run(&mut self, run: usize, through_kvbridge: bool) -> Phase2 {
-        let label = if through_kvbridge { "kvbridge" } else { "relay" };
+        let label = if through_kvbridge {
+            "kvbridge"
+        } else {
+            "relay"
+        };
         let urls = self.urls(through_kvbridge);
         let t = Instant::now();
 
-        // Phase 1: each prefix once; the engine that served it holds it.
-        let gw = self.gateway(&format!("smg-{label}-1"), &urls);
+        // Phase 1: each prefix once, through a gateway that alternates between the workers
+        // (`round_robin`), so that each engine holds four of the eight prefixes whatever the
+        // runs before did (a `cache_aware` gateway sends a prefix it has seen nowhere to a worker
+        // of its own choosing, often the same one for all eight, and a gateway that always
+        // picked that one would then pass phase 2). Which engine served each: vLLM's counters.
+        let gw = self.gateway(
+            &format!("smg-{label}-1"),
+            &urls,
+            "round_robin",
+            through_kvbridge,
+        );
         let mut holders: Vec<BTreeSet<usize>> = Vec::new();
         for k in 0..PREFIXES {
             let a = self.request(&gw, run, k);
             assert_eq!(a.prompt_tokens, (PREFIX_TOKENS + TAIL_TOKENS) as u64);
             holders.push(BTreeSet::from([a.engine]));
         }
+        for i in 0..2 {
+            let n = holders.iter().filter(|h| h.contains(&i)).count();
+            assert_eq!(
+                n,
+                PREFIXES / 2,
+                "round_robin gave engine {i} {n} prefixes: {holders:?}"
+            );
+        }
+        if through_kvbridge {
+            // Every batch the engines published (their own replay from 0) is in kvbridge's
+            // ring before the new gateway reads the window.
+            for i in 0..2 {
+                let n = self.engines[i].history().len() as f64;
+                common::wait_metrics(self.bridges[i].1, T, |p| {
+                    metric(p, "kvbridge_ring_newest_seq", &[]) >= n
+                });
+            }
+        }
         eprintln!("smg_real_engine {label}: phase 1 holders {holders:?}");
 
         // The restart: the first gateway killed, a new one on the same workers.
         drop(gw);
-        let gw = self.gateway(&format!("smg-{label}-2"), &urls);
-        if through_kvbridge {
-            // Every record of each sidecar's ring applied by the new gateway, by its own count
-            // (the prefixes' stores among them).
-            for (i, url) in urls.iter().enumerate() {
-                let page = common::scrape(self.bridges[i].1);
-                let window = metric(&page, "kvbridge_ring_newest_seq", &[])
-                    - metric(&page, "kvbridge_ring_oldest_seq", &[])
-                    + 1.0;
-                let deadline = Instant::now() + T;
-                loop {
-                    let applied = metric(
-                        &gw.metrics(),
-                        "smg_kv_event_batches_total",
-                        &[("worker", url), ("disposition", "applied")],
-                    );
-                    if applied >= window {
-                        break;
-                    }
-                    if Instant::now() > deadline {
-                        panic!(
-                            "the restarted gateway applied {applied} of the {window} records of {url}\n{}",
-                            self.logs(&gw)
-                        );
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-
+        let gw = self.gateway(
+            &format!("smg-{label}-2"),
+            &urls,
+            "cache_aware",
+            through_kvbridge,
+        );
         // Phase 2: three rounds over the prefixes, as a new user right after the restart.
         let before = self.counters();
+        let branches_before = branches(&gw.metrics());
         let mut to_holder = 0;
         let mut trace = Vec::new();
         for n in 0..PHASE2 {
@@ -314,6 +375,12 @@ impl Rig {
             holders[k].insert(a.engine);
         }
         let after = self.counters();
+        // The gateway's own account of its decisions (event_hit: the worker whose KV events
+        // name the request's blocks).
+        let decisions: Vec<String> = branches(&gw.metrics())
+            .iter()
+            .map(|(k, v)| format!("{k} {}", v - branches_before.get(k).unwrap_or(&0.0)))
+            .collect();
         let delta = |name: &str| -> f64 {
             (0..2)
                 .map(|i| after[i].get(name).unwrap_or(&0.0) - before[i].get(name).unwrap_or(&0.0))
@@ -326,16 +393,29 @@ impl Rig {
             hits,
             queries,
             to_holder,
+            decisions,
             trace,
         };
         eprintln!(
-            "smg_real_engine {label}: phase 2 hit rate {:.3} ({hits}/{queries} tokens), {to_holder}/{PHASE2} to a holder, run {:.1} s\n  {}",
+            "smg_real_engine {label}: phase 2 hit rate {:.3} ({hits}/{queries} tokens), {to_holder}/{PHASE2} to a holder; {}; run {:.1} s\n  {}",
             p.hit_rate,
+            p.decisions.join(", "),
             t.elapsed().as_secs_f64(),
             p.trace.join("\n  ")
         );
         p
     }
+}
+
+/// The gateway's `smg_cache_aware_policy_branch_total` samples: labels → value.
+fn branches(page: &str) -> std::collections::BTreeMap<String, f64> {
+    page.lines()
+        .filter(|l| l.starts_with("smg_cache_aware_policy_branch_total{"))
+        .filter_map(|l| {
+            let (lhs, v) = l.rsplit_once(' ')?;
+            Some((lhs.to_string(), v.parse().ok()?))
+        })
+        .collect()
 }
 
 fn finished(c: &HashMap<String, f64>) -> f64 {
@@ -369,15 +449,24 @@ fn smg_gateway_restarted_routes_to_the_real_engine_holding_the_prefix() {
         relay.hit_rate,
         t.elapsed().as_secs_f64()
     );
-    let best = PREFIX_TOKENS as f64 / (PREFIX_TOKENS + TAIL_TOKENS) as f64;
+    // A request sent to the engine holding its prefix hits the prefix's 160 tokens and none of
+    // its 31-token tail: every request to a holder is 160/191 = .838, what every run measured
+    // through kvbridge (24 of 24 to a holder, the gateway's 24 decisions `event_hit`). Each
+    // request sent elsewhere takes 160 tokens off the hits: 23 of 24 is .803, the bound, so one
+    // stray decision passes and a prefix that the gateway does not know (three requests) fails.
+    // Routing without knowledge sends a request to its holder half the time (.42 expected); the
+    // engines' own relay, which tells the restarted gateway nothing cached before it, measured
+    // .56 - .59 with the same placement.
+    let per_request = (PREFIX_TOKENS + TAIL_TOKENS) as f64;
+    let bound = ((PHASE2 - 1) * PREFIX_TOKENS) as f64 / (PHASE2 as f64 * per_request);
     assert!(
-        kvb.hit_rate >= best - 0.04,
-        "through kvbridge the restarted gateway's decisions hit {:.3} ({}/{} tokens, {}/{PHASE2} to a holder), want >= {:.3}:\n  {}",
+        kvb.hit_rate >= bound,
+        "through kvbridge the restarted gateway's decisions hit {:.3} ({}/{} tokens, {}/{PHASE2} to a holder; {}), want >= {bound:.3}:\n  {}",
         kvb.hit_rate,
         kvb.hits,
         kvb.queries,
         kvb.to_holder,
-        best - 0.04,
+        kvb.decisions.join(", "),
         kvb.trace.join("\n  ")
     );
 }

@@ -206,7 +206,11 @@ impl RealEngine {
     /// SMG gRPC mode: the engine's gRPC address (`HOST:PORT`), what a gateway or a kvbridge
     /// sidecar (`--engine-grpc`) is pointed at.
     pub fn grpc_addr(&self) -> String {
-        assert_eq!(self.opts.frontend, Frontend::SmgGrpc, "not in SMG gRPC mode");
+        assert_eq!(
+            self.opts.frontend,
+            Frontend::SmgGrpc,
+            "not in SMG gRPC mode"
+        );
         format!("127.0.0.1:{}", self.http)
     }
 
@@ -347,7 +351,11 @@ impl RealEngine {
         let grpc = self.opts.frontend == Frontend::SmgGrpc;
         let what = format!(
             "the vLLM engine answers {} on port {} (incarnation {})",
-            if grpc { "a gRPC health check" } else { "/health" },
+            if grpc {
+                "a gRPC health check"
+            } else {
+                "/health"
+            },
             self.http,
             self.incarnation
         );
@@ -385,7 +393,11 @@ impl RealEngine {
     /// POST /v1/completions: greedy, exactly `max_tokens` tokens (EOS ignored); returns the
     /// number of prompt tokens. OpenAI HTTP mode only.
     pub fn complete(&self, prompt: &str, max_tokens: usize) -> usize {
-        assert_eq!(self.opts.frontend, Frontend::OpenAi, "complete() needs HTTP");
+        assert_eq!(
+            self.opts.frontend,
+            Frontend::OpenAi,
+            "complete() needs HTTP"
+        );
         let body = serde_json::json!({
             "model": MODEL_NAME,
             "prompt": prompt,

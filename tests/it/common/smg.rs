@@ -1,5 +1,5 @@
 //! The real SMG gateway for the tests: PyPI `smg` 1.13.0 (pinned in `scripts/smg-venv.sh`),
-//! started as a child process with `cache_aware` over a list of gRPC worker URLs, and the bits of
+//! started as a child process with a routing policy over a list of gRPC worker URLs, and the bits of
 //! HTTP the tests speak to it (its OpenAI endpoint and its Prometheus page).
 
 use std::io::{Read, Write};
@@ -98,7 +98,7 @@ pub struct Smg {
 }
 
 impl Smg {
-    /// `smg launch --worker-urls URLS… --policy cache_aware --block-size BLOCK EXTRA…` on two
+    /// `smg launch --worker-urls URLS… --policy POLICY --block-size BLOCK EXTRA…` on two
     /// ports picked beforehand (the gateway has a port for HTTP and one for Prometheus and
     /// reports neither, so port 0 would leave the two indistinguishable), started again on
     /// fresh ports when one was taken in between. Its output goes to `dir/NAME.log`. Returns
@@ -107,11 +107,13 @@ impl Smg {
         name: &str,
         dir: &Path,
         urls: &[String],
+        policy: &str,
         block_size: usize,
         extra: &[&str],
     ) -> Smg {
         let smg = smg_command();
-        retry_on_taken_port(|| Smg::try_launch(name, dir, &smg, urls, block_size, extra))
+        let args: Vec<&str> = ["--policy", policy].iter().chain(extra).copied().collect();
+        retry_on_taken_port(|| Smg::try_launch(name, dir, &smg, urls, block_size, &args))
     }
 
     fn try_launch(
@@ -129,8 +131,6 @@ impl Smg {
         // created at, which a copied target directory no longer has).
         cmd.arg(smg).args(["launch", "--worker-urls"]).args(urls);
         cmd.args([
-            "--policy",
-            "cache_aware",
             "--host",
             "127.0.0.1",
             "--port",
