@@ -5,9 +5,11 @@
 //! URL is the worker URL the gateway registers; and the gateway is restarted mid-run.
 //!
 //! Phase 1: one request for each of eight long prefixes (five blocks of 32 tokens, distinct from
-//! the first token on) plus a tail under one block, through the gateway: each prefix is now
-//! cached on the engine that served it (read from vLLM's own request counter). The gateway is
-//! killed and a new one started on the same workers, as after a crash or a deploy. Phase 2, as
+//! the first token on) plus a tail under one block, through a first gateway on the same worker
+//! URLs that alternates (`round_robin`, so that each engine holds four prefixes, the same
+//! placement in every run): each prefix is now cached on the engine that served it (read from
+//! vLLM's own request counter). That gateway is killed and a `cache_aware` one started on the
+//! same workers, as after a crash or a deploy. Phase 2, as
 //! a new user would try it right after the restart: 24 requests, three rounds over the eight
 //! prefixes, each with a tail of its own. The restarted gateway learns every block stored before
 //! it started from kvbridge's ring (`SubscribeKvEvents` from 0), so each request goes to the
@@ -24,9 +26,10 @@
 //! prefix is announced once, when it is stored).
 //!
 //! Waits are on states: the engines' gRPC health, kvbridge's upstream connection, the gateway's
-//! listening ports and its first completion, its own `smg_kv_event_batches_total` for each
-//! worker reaching kvbridge's ring window (every record applied), vLLM's request counter
-//! counting each request.
+//! listening ports, its KV subscriptions (`smg_kv_event_subscriptions_total`) and its first
+//! completion, kvbridge's ring holding every batch the engine published (the engine's own replay
+//! from 0), the restarted gateway's `smg_kv_event_batches_total` for each worker reaching
+//! kvbridge's ring window (every record applied), vLLM's request counter counting each request.
 //!
 //! FAILS (never skips) when a venv cannot be installed. Peers: the real engine's venv
 //! (`scripts/vllm-engine-venv.sh`, with the servicer's pins) and the gateway's
@@ -48,7 +51,8 @@ const T: Duration = Duration::from_secs(60);
 const PREFIX_BLOCKS: usize = 5;
 const PREFIX_TOKENS: usize = PREFIX_BLOCKS * BLOCK_SIZE;
 /// Tokens after the prefix: under one block, so that no request stores a block beyond its
-/// prefix (and the engines' KV, 64 blocks each, holds both runs' prefixes without evicting).
+/// prefix (and the engines' KV, 64 blocks each, holds every prefix of the run in progress, with
+/// its copies; what a second run evicts is the first run's, least recently used).
 const TAIL_TOKENS: usize = BLOCK_SIZE - 1;
 /// Distinct prefixes per run.
 const PREFIXES: usize = 8;
