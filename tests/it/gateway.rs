@@ -24,57 +24,17 @@
 
 use crate::common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{free_port, layout, metric, repo, store, Bridge, Engine};
+use common::smg::{get_metrics, post, smg_command, spawn, Proc, Smg};
+use common::{layout, metric, repo, store, Bridge, Engine};
 use kvbridge_tools::sim::SimEvent;
 
 const T: Duration = Duration::from_secs(60);
 const BLOCK: usize = 16;
-
-/// `scripts/smg-venv.sh` (idempotent); the `smg` command beside the python it prints.
-fn smg_command() -> PathBuf {
-    let py = common::setup_script(
-        "smg-venv.sh",
-        &[],
-        "Python >= 3.10 with pip and PyPI access",
-    );
-    let smg = py.with_file_name("smg");
-    assert!(smg.exists(), "no smg command beside {}", py.display());
-    smg
-}
-
-/// A child process killed (by its own id) when dropped.
-struct Proc(Child, PathBuf);
-
-impl Proc {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.1).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(name: &'static str, dir: &Path, cmd: &mut Command) -> Proc {
-    let log = dir.join(format!("{name}.log"));
-    let f = std::fs::File::create(&log).unwrap();
-    let child = cmd
-        .stdout(f.try_clone().unwrap())
-        .stderr(f)
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-    Proc(child, log)
-}
 
 /// A word-level tokenizer: "wN" is token N (3 ≤ N < 1000), whitespace splits.
 fn write_tokenizer(dir: &Path) {
@@ -97,41 +57,6 @@ fn write_tokenizer(dir: &Path) {
         r#"{"eos_token": "<eos>", "model_max_length": 4096}"#,
     )
     .unwrap();
-}
-
-/// POST `body` (JSON) to the gateway; (status, body).
-fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(T)).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, out)
-}
-
-/// A Prometheus page (the gateway's or kvbridge's; empty while nothing listens yet).
-fn get_metrics(port: u16) -> String {
-    let Ok(mut c) = TcpStream::connect(("127.0.0.1", port)) else {
-        return String::new();
-    };
-    c.set_read_timeout(Some(T)).unwrap();
-    let _ = write!(
-        c,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    );
-    let mut page = String::new();
-    let _ = c.read_to_string(&mut page);
-    page
 }
 
 fn completion(addr: SocketAddr, tokens: &[u32]) -> (u16, String) {
@@ -237,9 +162,8 @@ fn worker(
     }
 }
 
-/// What every test starts with: the `smg` command, a tokenizer, the engines' Generate log.
+/// What every test starts with: the smg venv's python, a tokenizer, the engines' Generate log.
 struct Setup {
-    smg: PathBuf,
     py: PathBuf,
     dir: tempfile::TempDir,
     tok: PathBuf,
@@ -247,14 +171,12 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let smg = smg_command();
-    let py = smg.with_file_name("python");
+    let py = smg_command().with_file_name("python");
     let dir = tempfile::tempdir().unwrap();
     let tok = dir.path().join("tokenizer");
     write_tokenizer(&tok);
     let gen_log = dir.path().join("generate.jsonl");
     Setup {
-        smg,
         py,
         dir,
         tok,
@@ -277,70 +199,31 @@ impl Setup {
 
 /// The real gateway, `cache_aware`, over the two workers' sidecar URLs.
 struct Gateway<'a> {
-    proc: Proc,
+    smg: Smg,
     http: SocketAddr,
     prom: u16,
     workers: [&'a Worker; 2],
 }
 
 impl<'a> Gateway<'a> {
-    /// The gateway on two ports picked beforehand: it has a port for HTTP and one for
-    /// Prometheus and reports neither, so port 0 would leave the two indistinguishable. Started
-    /// again on fresh ports when one was taken in between.
     fn launch(s: &Setup, workers: [&'a Worker; 2]) -> Gateway<'a> {
-        common::retry_on_taken_port(|| Gateway::try_launch(s, workers))
-    }
-
-    /// One start; `Err` (with its log) when it exits before it listens on both ports.
-    fn try_launch(s: &Setup, workers: [&'a Worker; 2]) -> Result<Gateway<'a>, String> {
-        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let prom = free_port();
-        let mut proc = spawn(
+        let urls = workers.map(|w| format!("grpc://{}", w.bridge.grpc));
+        let smg = Smg::launch(
             "smg",
             s.dir.path(),
-            // The venv's python runs the `smg` script (its shebang names the path the venv was
-            // created at, which a copied target directory no longer has).
-            Command::new(&s.py).arg(&s.smg).args([
-                "launch",
-                "--worker-urls",
-                &format!("grpc://{}", workers[0].bridge.grpc),
-                &format!("grpc://{}", workers[1].bridge.grpc),
-                "--policy",
-                "cache_aware",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &http.port().to_string(),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                &prom.to_string(),
-                "--block-size",
-                &BLOCK.to_string(),
-                // The gateway's own GetLoads polling once an hour: what it learns about load
-                // during the test comes from kvbridge's load records.
-                "--load-monitor-interval",
-                "3600",
-            ]),
+            &urls,
+            "cache_aware",
+            BLOCK,
+            // The gateway's own GetLoads polling once an hour: what it learns about load
+            // during the test comes from kvbridge's load records.
+            &["--load-monitor-interval", "3600"],
         );
-        let pid = proc.0.id();
-        common::eventually("the gateway listens on both ports", T, || {
-            if let Ok(Some(st)) = proc.0.try_wait() {
-                return Ok(Err(format!("the gateway exited ({st}):\n{}", proc.log())));
-            }
-            let ports = common::listening_ports(pid);
-            if ports.contains(&http.port()) && ports.contains(&prom) {
-                Ok(Ok(()))
-            } else {
-                Err(ports)
-            }
-        })?;
-        Ok(Gateway {
-            proc,
-            http,
-            prom,
+        Gateway {
+            http: smg.http,
+            prom: smg.prom,
+            smg,
             workers,
-        })
+        }
     }
 
     /// Panics with `what` and every log.
@@ -348,7 +231,7 @@ impl<'a> Gateway<'a> {
         let [a, b] = self.workers;
         panic!(
             "{what}\n--- smg ---\n{}\n--- kvbridge {} ---\n{}\n--- kvbridge {} ---\n{}",
-            self.proc.log(),
+            self.smg.proc.log(),
             a.name,
             a.bridge.log(),
             b.name,

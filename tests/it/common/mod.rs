@@ -3,6 +3,7 @@
 
 pub mod grpc_engine;
 pub mod real_engine;
+pub mod smg;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

