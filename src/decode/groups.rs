@@ -191,7 +191,7 @@ pub(crate) fn note(rank: u32, idx: u32, g: &GroupNote) -> [u8; 16] {
 /// The note type of a group note.
 const NOTE_GROUP: u8 = 1;
 
-/// A group as its note carries it (the decoder's [`Group`] outside the decoder).
+/// A group as its note carries it (what the decoder learnt of a group, outside the decoder).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupNote {
     /// 0 none given, 1 main attention, 2 other.
