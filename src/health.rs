@@ -9,8 +9,16 @@
 //! In sidecar mode (`--engine-grpc`) SERVING also needs the engine's gRPC server to answer
 //! (see [`UpstreamState::gate_on_engine`]): the worker URL is then both the event feed and the
 //! engine, and a load balancer must not send traffic to either half that is down.
+//!
+//! **Freshness.** Connected is not the same as complete: each rank is also `exact` (what
+//! kvbridge served is the engine's whole cache state) or `degraded` ([`Degraded`]: kvbridge
+//! knows its output may miss blocks the engine holds, or hold ones it dropped), so that an
+//! operator can tell an idle engine from one kvbridge no longer follows. Ingest sets it
+//! (docs/operations.md, "Freshness"); it is exported as a metric, logged on every change and
+//! listed on the metrics listener's `/health` page. It does not change SERVING: a degraded
+//! stream is still the best there is, and the gateways recover at the next clear.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -19,9 +27,62 @@ use tonic_health::ServingStatus;
 
 use crate::metrics::Metrics;
 
+/// Why a rank's output may not be the engine's whole state. Each lasts until the engine's own
+/// cache reset (`AllBlocksCleared`) or its restart, after which the engine's state is again
+/// exactly what kvbridge served from then on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Degraded {
+    /// The engine's replay buffer no longer held the batches kvbridge missed (a late start, a
+    /// long outage): blocks stored before are unknown to every consumer.
+    MissingHistory = 1,
+    /// A gap no replay could fill: its stores and removals are unknown.
+    UnfillableGap = 2,
+    /// A batch that could not be decoded took its sequence number.
+    Undecodable = 3,
+    /// Live batches overflowed what was kept during a replay.
+    ReplayOverflow = 4,
+    /// A `BlockRemoved` could not be decoded.
+    LostRemoval = 5,
+    /// Under `--profile smg`, removals of a KV-cache group whose kind is not known were
+    /// dropped (docs/engine-wire.md §9.1): a gateway may keep a block the engine evicted.
+    UnknownGroup = 6,
+}
+
+impl Degraded {
+    /// Every cause (the metric's label values).
+    pub const ALL: [Degraded; 6] = [
+        Degraded::MissingHistory,
+        Degraded::UnfillableGap,
+        Degraded::Undecodable,
+        Degraded::ReplayOverflow,
+        Degraded::LostRemoval,
+        Degraded::UnknownGroup,
+    ];
+
+    /// Metric label and log value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Degraded::MissingHistory => "missing_history",
+            Degraded::UnfillableGap => "unfillable_gap",
+            Degraded::Undecodable => "undecodable",
+            Degraded::ReplayOverflow => "replay_overflow",
+            Degraded::LostRemoval => "lost_removal",
+            Degraded::UnknownGroup => "unknown_group",
+        }
+    }
+
+    /// The cause with this code (`self as u8`).
+    pub fn from_code(code: u8) -> Option<Degraded> {
+        Degraded::ALL.into_iter().find(|d| *d as u8 == code)
+    }
+}
+
 /// Connection state of every rank's publisher(s), shared by the rank threads and the health task.
 pub struct UpstreamState {
     connected: Vec<AtomicI64>,
+    /// Per rank: 0 exact, else the [`Degraded`] code.
+    freshness: Vec<AtomicU8>,
     start: Instant,
     /// Milliseconds after `start` of the last disconnect, plus one (0: none yet).
     last_disconnect_ms: AtomicU64,
@@ -34,6 +95,7 @@ impl UpstreamState {
     pub fn new(ranks: usize) -> Arc<Self> {
         Arc::new(UpstreamState {
             connected: (0..ranks).map(|_| AtomicI64::new(0)).collect(),
+            freshness: (0..ranks).map(|_| AtomicU8::new(0)).collect(),
             start: Instant::now(),
             last_disconnect_ms: AtomicU64::new(0),
             engine: OnceLock::new(),
@@ -67,6 +129,48 @@ impl UpstreamState {
             }
             None => 0,
         }
+    }
+
+    /// Sets `rank`'s freshness (`None`: exact); returns the previous one.
+    pub fn set_degraded(&self, rank: u32, why: Option<Degraded>) -> Option<Degraded> {
+        let code = why.map_or(0, |d| d as u8);
+        self.freshness
+            .get(rank as usize)
+            .and_then(|f| Degraded::from_code(f.swap(code, Ordering::AcqRel)))
+    }
+
+    /// `rank`'s freshness (`None`: exact).
+    pub fn degraded(&self, rank: u32) -> Option<Degraded> {
+        self.freshness
+            .get(rank as usize)
+            .and_then(|f| Degraded::from_code(f.load(Ordering::Acquire)))
+    }
+
+    /// The `/health` page: status, then one object per rank (connections, freshness). JSON.
+    pub fn detail_json(&self, grace: Duration) -> String {
+        let ranks: Vec<String> = (0..self.connected.len())
+            .map(|r| {
+                let (state, cause) = match self.degraded(r as u32) {
+                    None => ("exact", "null".to_string()),
+                    Some(d) => ("degraded", format!("\"{}\"", d.label())),
+                };
+                format!(
+                    "{{\"rank\":{r},\"connected\":{},\"freshness\":\"{state}\",\"cause\":{cause}}}",
+                    self.connected[r].load(Ordering::Acquire)
+                )
+            })
+            .collect();
+        let engine = match self.engine_answers() {
+            None => "null",
+            Some(true) => "true",
+            Some(false) => "false",
+        };
+        format!(
+            "{{\"serving\":{},\"feed_serving\":{},\"engine_answers\":{engine},\"ranks\":[{}]}}\n",
+            self.serving(grace),
+            self.feed_serving(grace),
+            ranks.join(",")
+        )
     }
 
     /// Ranks with at least one publisher connected.
@@ -165,6 +269,32 @@ mod tests {
         assert_eq!(s.on_connect(0), 1);
         assert_eq!(s.connected_ranks(), 1);
         assert_eq!(s.on_connect(7), 0, "unknown rank ignored");
+    }
+
+    #[test]
+    fn freshness_is_per_rank_and_listed_on_the_health_page() {
+        let s = UpstreamState::new(2);
+        assert_eq!(s.degraded(0), None);
+        assert_eq!(s.set_degraded(1, Some(Degraded::UnknownGroup)), None);
+        assert_eq!(s.degraded(1), Some(Degraded::UnknownGroup));
+        assert_eq!(s.degraded(0), None, "the other rank stays exact");
+        s.on_connect(0);
+        let page = s.detail_json(Duration::ZERO);
+        assert!(page.starts_with("{\"serving\":true,"), "{page}");
+        assert!(
+            page.contains("{\"rank\":0,\"connected\":1,\"freshness\":\"exact\",\"cause\":null}"),
+            "{page}"
+        );
+        assert!(page.contains("{\"rank\":1,\"connected\":0,\"freshness\":\"degraded\",\"cause\":\"unknown_group\"}"), "{page}");
+        assert_eq!(s.set_degraded(1, None), Some(Degraded::UnknownGroup));
+        for d in Degraded::ALL {
+            assert_eq!(Degraded::from_code(d as u8), Some(d));
+        }
+        assert_eq!(
+            s.set_degraded(9, Some(Degraded::LostRemoval)),
+            None,
+            "unknown rank ignored"
+        );
     }
 
     #[test]

@@ -405,8 +405,13 @@ async fn start_on_rings(
             snapshot_tables,
         )),
     );
-    let metrics_task =
-        metrics_listener.map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone())));
+    let health_page: crate::metrics::HealthPage = {
+        let upstream = upstream.clone();
+        let grace = cfg.ops.health_grace;
+        Arc::new(move || upstream.detail_json(grace))
+    };
+    let metrics_task = metrics_listener
+        .map(|l| tokio::spawn(crate::metrics::serve(l, metrics.clone(), Some(health_page))));
     // Sidecar mode: the engine's gRPC server behind the same listener; health then
     // also needs the engine, and subscribers that ask get its load records.
     let sidecar = match &cfg.proxy {

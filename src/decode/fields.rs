@@ -29,6 +29,22 @@ pub(crate) const F_SESSION: u32 = 14;
 pub(crate) const F_LOOKAHEAD: u32 = 15;
 pub(crate) const F_SALT: u32 = 16;
 pub(crate) const F_METADATA: u32 = 17;
+// Known fields kvbridge reads past on purpose (docs/engine-wire.md §9, "Fields read past"):
+// nothing in SMG's encoding carries them, and none changes what a block is.
+/// vLLM #48933 (open): `BlockRemoved.remaining_copy_counts`, physical copies left per hash.
+pub(crate) const F_COPIES: u32 = 18;
+/// SGLang #39620 (open): `BlockRemoved.reason` (`evicted`, `demoted`, …).
+pub(crate) const F_REASON: u32 = 19;
+/// vLLM #55488: `BlockStored.event_version` (1: typed `extra_keys`).
+pub(crate) const F_VERSION: u32 = 20;
+/// ROCm ATOM: `BlockStored.token_offset`, a trailing element after the known fields.
+pub(crate) const F_TOKEN_OFFSET: u32 = 21;
+/// vLLM #44488 (open): `BlockStored.block_offsets` of a sparse store.
+pub(crate) const F_BLOCK_OFFSETS: u32 = 22;
+
+/// The newest `event_version` whose meaning kvbridge knows; a newer one is counted in
+/// `unknown_keys` (the event is still decoded: a version names new meanings, not a new shape).
+pub(crate) const KNOWN_EVENT_VERSION: u64 = 1;
 
 /// An event's tag.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -37,6 +53,9 @@ pub(crate) enum Tag {
     Stored,
     Removed,
     Cleared,
+    /// vLLM #50732 (open): `BlockInactive`, a block no request references any more but still
+    /// cached. Nothing for a router's index: skipped and counted (`inactive_events`).
+    Inactive,
     Unknown,
 }
 
@@ -45,6 +64,7 @@ pub(crate) fn tag_of(s: &[u8]) -> Tag {
         b"BlockStored" => Tag::Stored,
         b"BlockRemoved" => Tag::Removed,
         b"AllBlocksCleared" => Tag::Cleared,
+        b"BlockInactive" => Tag::Inactive,
         _ => Tag::Unknown,
     }
 }
@@ -184,6 +204,18 @@ impl Decoder {
                 Ok(())
             }
             F_METADATA => self.read_metadata(c, f)?,
+            F_VERSION => {
+                let (m, _) = c.marker()?;
+                match c.int_of(m)?.and_then(Int::as_u64) {
+                    Some(v) => {
+                        if v > KNOWN_EVENT_VERSION {
+                            self.stats.unknown_keys += 1;
+                        }
+                        Ok(())
+                    }
+                    None => Err(Invalid::Type),
+                }
+            }
             _ => {
                 // lookahead_token_ids and anything known-but-unused
                 c.skip_value()?;

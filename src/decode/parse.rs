@@ -4,18 +4,25 @@
 //! skipped and counted.
 use super::error::{DecodeError, DecodeErrorKind as K};
 use super::fields::{
-    tag_of, Fields, Invalid, Tag, F_BS, F_EXTRA, F_GROUP, F_HASHES, F_KIND, F_LOCALITY,
-    F_LOOKAHEAD, F_LORA_ID, F_LORA_NAME, F_MEDIUM, F_METADATA, F_OWNERSHIP, F_PARENT, F_SALT,
-    F_SESSION, F_SLIDING, F_TOKENS, F_TYPE,
+    tag_of, Fields, Invalid, Tag, F_BLOCK_OFFSETS, F_BS, F_COPIES, F_EXTRA, F_GROUP, F_HASHES,
+    F_KIND, F_LOCALITY, F_LOOKAHEAD, F_LORA_ID, F_LORA_NAME, F_MEDIUM, F_METADATA, F_OWNERSHIP,
+    F_PARENT, F_REASON, F_SALT, F_SESSION, F_SLIDING, F_TOKENS, F_TOKEN_OFFSET, F_TYPE, F_VERSION,
 };
 use super::reader::{Cur, Int};
 use super::{BatchPlan, Decoder};
 use rmp::Marker;
 
 /// Map keys that belong to each event type (others are read but counted as unknown keys).
-const ALLOW_STORED: u32 = (1 << 18) - 1;
-const ALLOW_REMOVED: u32 =
-    1 << F_TYPE | 1 << F_HASHES | 1 << F_MEDIUM | 1 << F_GROUP | 1 << F_LOCALITY | 1 << F_OWNERSHIP;
+const ALLOW_STORED: u32 =
+    ((1 << 18) - 1) | (1 << F_VERSION) | (1 << F_TOKEN_OFFSET) | (1 << F_BLOCK_OFFSETS);
+const ALLOW_REMOVED: u32 = 1 << F_TYPE
+    | 1 << F_HASHES
+    | 1 << F_MEDIUM
+    | 1 << F_GROUP
+    | 1 << F_LOCALITY
+    | 1 << F_OWNERSHIP
+    | 1 << F_COPIES
+    | 1 << F_REASON;
 const ALLOW_CLEARED: u32 = 1 << F_TYPE | 1 << F_OWNERSHIP;
 
 fn key_id(k: &[u8]) -> Option<u32> {
@@ -38,25 +45,47 @@ fn key_id(k: &[u8]) -> Option<u32> {
         b"lookahead_token_ids" => F_LOOKAHEAD,
         b"cache_salt" => F_SALT,
         b"metadata" => F_METADATA,
+        b"remaining_copy_counts" => F_COPIES,
+        b"reason" => F_REASON,
+        b"event_version" => F_VERSION,
+        b"token_offset" => F_TOKEN_OFFSET,
+        b"block_offsets" => F_BLOCK_OFFSETS,
         _ => return None,
     })
 }
 
 /// The field id at array position `i` (≥ 1) of a tagged array event (engine-wire §5.1/§5.2);
 /// `c` is at the value there.
+///
+/// Two positions are told apart by the value's type, because releases that share a prefix of
+/// the layout put different things there: store position 7 is vLLM's `lora_name` (str/nil),
+/// SGLang's `metadata` (a map) or ROCm ATOM's trailing `token_offset` (an int); removal
+/// position 3 is vLLM's `group_idx` (int/nil) or SGLang's proposed `reason` (a str). Read as
+/// the wrong one, a well-formed event would fail validation and a removal would be lost.
 fn position_id(tag: Tag, i: u32, c: &Cur<'_>) -> Result<u32, DecodeError> {
+    let m = Marker::from_u8(c.peek()?);
+    let is_map = matches!(m, Marker::FixMap(_) | Marker::Map16 | Marker::Map32);
+    let is_str = matches!(
+        m,
+        Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32
+    );
+    let is_int = matches!(
+        m,
+        Marker::FixPos(_)
+            | Marker::FixNeg(_)
+            | Marker::U8
+            | Marker::U16
+            | Marker::U32
+            | Marker::U64
+            | Marker::I8
+            | Marker::I16
+            | Marker::I32
+            | Marker::I64
+    );
     Ok(match (tag, i) {
-        // `lora_name` when str/nil, SGLang's `metadata` when a map
-        (Tag::Stored, 7) => {
-            if matches!(
-                Marker::from_u8(c.peek()?),
-                Marker::FixMap(_) | Marker::Map16 | Marker::Map32
-            ) {
-                F_METADATA
-            } else {
-                F_LORA_NAME
-            }
-        }
+        (Tag::Stored, 7) if is_map => F_METADATA,
+        (Tag::Stored, 7) if is_int => F_TOKEN_OFFSET,
+        (Tag::Stored, 7) => F_LORA_NAME,
         (Tag::Stored, 8) => F_EXTRA,
         (Tag::Stored, 9) => F_GROUP,
         (Tag::Stored, 10) => F_KIND,
@@ -64,11 +93,21 @@ fn position_id(tag: Tag, i: u32, c: &Cur<'_>) -> Result<u32, DecodeError> {
         (Tag::Stored, i) => i, // 1..=6 match the field ids
         (_, 1) => F_HASHES,
         (_, 2) => F_MEDIUM,
+        (Tag::Removed, 3) if is_str => F_REASON,
         _ => F_GROUP,
     })
 }
 
 impl Decoder {
+    /// Counts an event skipped for its tag: `BlockInactive` apart from tags nobody knows.
+    fn count_skipped_tag(&mut self, tag: Tag) {
+        if tag == Tag::Inactive {
+            self.stats.inactive_events += 1;
+        } else {
+            self.stats.unknown_tags += 1;
+        }
+    }
+
     /// Pass 1 over the whole payload (the scratch is already cleared).
     pub(crate) fn parse_batch(&mut self, p: &[u8]) -> Result<BatchPlan, DecodeError> {
         if p.is_empty() {
@@ -272,11 +311,11 @@ impl Decoder {
             return Ok(false);
         };
         f.tag = tag_of(t);
-        if f.tag == Tag::Unknown {
+        if matches!(f.tag, Tag::Unknown | Tag::Inactive) {
             for _ in 1..n {
                 c.skip_value()?;
             }
-            self.stats.unknown_tags += 1;
+            self.count_skipped_tag(f.tag);
             return Ok(false);
         }
         let max_pos = match f.tag {
@@ -346,8 +385,8 @@ impl Decoder {
             _ => ALLOW_STORED,
         };
         self.stats.unknown_keys += (f.seen & !allow).count_ones() as u64;
-        if f.tag == Tag::Unknown {
-            self.stats.unknown_tags += 1;
+        if matches!(f.tag, Tag::Unknown | Tag::Inactive) {
+            self.count_skipped_tag(f.tag);
             return Ok(false);
         }
         if f.tag == Tag::Missing {

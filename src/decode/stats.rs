@@ -24,6 +24,8 @@ pub struct DecodeStats {
     pub cleared_events: u64,
     /// Events with an unknown tag (skipped).
     pub unknown_tags: u64,
+    /// `BlockInactive` events (vLLM #50732): nothing for a router's index, skipped.
+    pub inactive_events: u64,
     /// Unknown map keys, unknown trailing array elements (events, batch, `metadata`), and keys
     /// that do not belong to the event's type. Skipped.
     pub unknown_keys: u64,
@@ -103,6 +105,7 @@ impl DecodeStats {
             ("removed_events", self.removed_events),
             ("cleared_events", self.cleared_events),
             ("unknown_tags", self.unknown_tags),
+            ("inactive_events", self.inactive_events),
             ("unknown_keys", self.unknown_keys),
             ("malformed_events", self.malformed_events),
             ("malformed_removals", self.malformed_removals),

@@ -107,10 +107,21 @@ impl Ingest {
                 ..decode.clone()
             });
             decoder.restore_groups(sink::groups_of(&recovered.notes, rank.rank));
+            // Freshness as the last kvbridge on this ring left it, every series from the start.
+            let fresh = sink::degraded_of(&recovered.notes, rank.rank);
+            upstream.set_degraded(rank.rank, fresh);
+            m.set_freshness(&sink::degraded_labels(), fresh.map(|d| d.label()));
+            if let Some(d) = fresh {
+                tracing::warn!(
+                    rank = rank.rank,
+                    cause = d.label(),
+                    "rank output degraded (kept in the ring from before this start)"
+                );
+            }
             let resume = Resume::from_ring(recovered, rank.rank);
             workers.push(RankWorker {
                 state: RankState::new(resume, Limits::default(), m.clone()),
-                sink: RingSink::new(rank.rank, decoder, tgt, m.clone()),
+                sink: RingSink::new(rank.rank, decoder, tgt, m.clone(), upstream.clone()),
                 monitor,
                 lost_since: None,
                 upstream: upstream.clone(),

@@ -6,8 +6,44 @@ use std::time::{Duration, Instant};
 use super::upstream::Sink;
 use super::Targets;
 use crate::decode::{parse_group_note, ClearedBatch, Decoder, GroupNote};
+use crate::health::{Degraded, UpstreamState};
 use crate::metrics::RankMetrics;
 use crate::ring::{ClearCause, RingHub};
+
+/// Writer-note kind of a rank's freshness: `[2, cause, rank u16 LE, 0…]`, present only while
+/// the rank is degraded, so that a restarted kvbridge does not call exact what it knew was not
+/// (kind 1 is a KV-cache group, decode/groups.rs).
+const NOTE_FRESHNESS: u8 = 2;
+
+fn freshness_note(rank: u32, why: Degraded) -> [u8; 16] {
+    let mut n = [0u8; 16];
+    n[0] = NOTE_FRESHNESS;
+    n[1] = why as u8;
+    n[2..4].copy_from_slice(&(rank as u16).to_le_bytes());
+    n
+}
+
+fn parse_freshness_note(n: &[u8; 16]) -> Option<(u32, Degraded)> {
+    if n[0] != NOTE_FRESHNESS {
+        return None;
+    }
+    let rank = u16::from_le_bytes([n[2], n[3]]) as u32;
+    Degraded::from_code(n[1]).map(|d| (rank, d))
+}
+
+/// `rank`'s freshness as the ring's writer notes kept it (`None`: exact, or no note).
+pub(super) fn degraded_of(notes: &[[u8; 16]], rank: u32) -> Option<Degraded> {
+    notes
+        .iter()
+        .filter_map(parse_freshness_note)
+        .find(|(r, _)| *r == rank)
+        .map(|(_, d)| d)
+}
+
+/// The freshness series' label values.
+pub(super) fn degraded_labels() -> Vec<&'static str> {
+    Degraded::ALL.iter().map(|d| d.label()).collect()
+}
 
 /// Decodes each batch once and publishes it into the rank's ring(s).
 pub(super) struct RingSink {
@@ -15,17 +51,25 @@ pub(super) struct RingSink {
     decoder: Decoder,
     targets: Targets,
     m: RankMetrics,
+    upstream: Arc<UpstreamState>,
     warned: std::collections::HashMap<&'static str, (Instant, u64)>,
     last_flush: Instant,
 }
 
 impl RingSink {
-    pub(super) fn new(rank: u32, decoder: Decoder, targets: Targets, m: RankMetrics) -> Self {
+    pub(super) fn new(
+        rank: u32,
+        decoder: Decoder,
+        targets: Targets,
+        m: RankMetrics,
+        upstream: Arc<UpstreamState>,
+    ) -> Self {
         RingSink {
             rank,
             decoder,
             targets,
             m,
+            upstream,
             warned: Default::default(),
             last_flush: Instant::now(),
         }
@@ -82,6 +126,48 @@ impl RingSink {
     }
 }
 
+impl RingSink {
+    /// Sets this rank's freshness (`None`: exact). On a change: the shared state, the metric,
+    /// one log line, and the ring's writer notes (a degraded rank stays degraded across a
+    /// kvbridge restart; the note is written before the batch or clear that follows).
+    fn set_fresh(&mut self, why: Option<Degraded>) {
+        let was = self.upstream.set_degraded(self.rank, why);
+        if was == why {
+            return;
+        }
+        self.m
+            .set_freshness(&degraded_labels(), why.map(Degraded::label));
+        match why {
+            Some(d) => tracing::warn!(
+                rank = self.rank,
+                cause = d.label(),
+                "rank output degraded: it may miss blocks the engine holds (or hold ones it dropped) until the engine's next cache reset or restart"
+            ),
+            None => tracing::info!(
+                rank = self.rank,
+                was = was.map(Degraded::label),
+                "rank output exact again: the engine's cache reset or restart is in the stream"
+            ),
+        }
+        let rank = self.rank;
+        let mut failed = None;
+        for (hub, _) in ring_targets(&self.targets) {
+            let kept = hub.update_notes(|all| {
+                all.retain(|n| !matches!(parse_freshness_note(n), Some((r, _)) if r == rank));
+                if let Some(d) = why {
+                    all.push(freshness_note(rank, d));
+                }
+            });
+            if let Err(e) = kept {
+                failed = Some(format!("ring {} notes write failed: {e}", hub.label()));
+            }
+        }
+        if let Some(msg) = failed {
+            self.warn_limited("ring_notes", &msg);
+        }
+    }
+}
+
 /// The groups of `rank` among a ring's writer notes.
 pub(super) fn groups_of(notes: &[[u8; 16]], rank: u32) -> Vec<(u32, GroupNote)> {
     notes
@@ -108,6 +194,8 @@ impl Sink for RingSink {
             self.clear(seq, ClearCause::Undecodable);
             return;
         }
+        let before = self.decoder.stats();
+        let (cleared, unknown) = (before.cleared_events, before.filtered_group_unknown);
         let plan = match self.decoder.plan(payload) {
             Ok(p) => p,
             Err(e) => {
@@ -129,6 +217,16 @@ impl Sink for RingSink {
         }
         // What the batch taught about its groups is in the ring before the batch is.
         self.keep_groups();
+        // The engine's own reset makes its state what follows again; a removal dropped for an
+        // unknown group may leave a block behind (counted once per batch, after its clears).
+        let after = self.decoder.stats();
+        let (cleared_now, unknown_now) = (after.cleared_events, after.filtered_group_unknown);
+        if cleared_now > cleared {
+            self.set_fresh(None);
+        }
+        if unknown_now > unknown {
+            self.set_fresh(Some(Degraded::UnknownGroup));
+        }
         let batch_rank = match plan.rank {
             Some(r) => {
                 if r != self.rank as i64 {
@@ -165,6 +263,16 @@ impl Sink for RingSink {
             self.decoder.forget_groups();
             self.keep_groups();
         }
+        // After a restart the new incarnation's history follows from its start; every other
+        // cause leaves blocks the engine holds (or dropped) that no consumer will hear of.
+        self.set_fresh(match cause {
+            ClearCause::EngineRestart => None,
+            ClearCause::UnfillableGap => Some(Degraded::UnfillableGap),
+            ClearCause::MissingHistory => Some(Degraded::MissingHistory),
+            ClearCause::Undecodable => Some(Degraded::Undecodable),
+            ClearCause::ReplayOverflow => Some(Degraded::ReplayOverflow),
+            ClearCause::LostRemoval => Some(Degraded::LostRemoval),
+        });
         self.m.clear(cause.label());
         let msg = format!("signalling a cleared cache in band (engine seq {upstream_seq})");
         self.warn_limited(cause.label(), &msg);

@@ -45,6 +45,10 @@ pub struct Metrics {
     pub publisher_rejoins: IntCounterVec,
     /// Health status served on grpc.health.v1 (1 SERVING, 0 NOT_SERVING).
     pub health_serving: IntGauge,
+    /// Per rank: 1 while kvbridge's output is the engine's whole state, 0 while degraded.
+    pub rank_exact: IntGaugeVec,
+    /// Per rank and cause: 1 for the cause the rank is degraded by, else 0.
+    pub rank_degraded: IntGaugeVec,
     /// Ring capacity in bytes, per ring.
     pub ring_capacity: IntGaugeVec,
     /// Bytes holding retained records, per ring.
@@ -241,6 +245,18 @@ impl Metrics {
                 r.register(Box::new(g.clone())).expect("unique");
                 g
             },
+            rank_exact: gauge(
+                &r,
+                "rank_exact",
+                "1 while a rank's output is the engine's whole cache state, 0 while degraded (kvbridge_rank_degraded says why)",
+                &["rank"],
+            ),
+            rank_degraded: gauge(
+                &r,
+                "rank_degraded",
+                "1 for the cause a rank's output is degraded by (until the engine's next cache reset or restart), else 0",
+                &["rank", "cause"],
+            ),
             ring_capacity: gauge(&r, "ring_capacity_bytes", "Ring data capacity", &["ring"]),
             ring_used: gauge(
                 &r,
@@ -392,6 +408,8 @@ impl Metrics {
             replays: self.replays.clone(),
             clears: self.synthesized_clears.clone(),
             decoder: self.decoder.clone(),
+            exact: self.rank_exact.with_label_values(&l),
+            degraded: self.rank_degraded.clone(),
         }
     }
 }
@@ -436,6 +454,8 @@ pub struct RankMetrics {
     replays: IntCounterVec,
     clears: IntCounterVec,
     decoder: IntCounterVec,
+    exact: IntGauge,
+    degraded: IntGaugeVec,
 }
 
 impl RankMetrics {
@@ -467,6 +487,16 @@ impl RankMetrics {
             .with_label_values(&[self.label.as_str(), cause])
             .inc();
     }
+    /// Sets the freshness series: `exact` 1 and every cause of `causes` 0, or `exact` 0 and
+    /// only `current` 1. Every label value exists from the first call on.
+    pub fn set_freshness(&self, causes: &[&str], current: Option<&str>) {
+        self.exact.set(current.is_none() as i64);
+        for c in causes {
+            self.degraded
+                .with_label_values(&[self.label.as_str(), c])
+                .set((Some(*c) == current) as i64);
+        }
+    }
     /// Brings a decoder counter up to `value` (the decoder's own running total).
     pub fn decoder_set(&self, kind: &str, value: u64) {
         let c = self.decoder.with_label_values(&[self.label.as_str(), kind]);
@@ -477,13 +507,22 @@ impl RankMetrics {
     }
 }
 
-/// Serves the metrics page on `addr` until the task is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Metrics>) {
+/// Renders the `/health` page (JSON) on the metrics listener: the service's health detail,
+/// owned by whoever knows it (metrics knows no stage).
+pub type HealthPage = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves the metrics page (and `/health`, when given) on `addr` until the task is dropped.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: std::sync::Arc<Metrics>,
+    health: Option<HealthPage>,
+) {
     let mut acceptor =
         crate::net::Acceptor::new(listener, "metrics", metrics.accept_errors.clone());
     loop {
         let mut sock = acceptor.accept().await;
         let m = metrics.clone();
+        let health = health.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 2048];
             // Read the request head (one read is enough for a GET from Prometheus or curl).
@@ -498,6 +537,8 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: std::sync::Arc<Me
             let path = head.split_whitespace().nth(1).unwrap_or("/");
             let (status, ctype, body) = if path.starts_with("/metrics") || path == "/" {
                 ("200 OK", "text/plain; version=0.0.4", m.render())
+            } else if let (Some(page), true) = (&health, path == "/health") {
+                ("200 OK", "application/json", page().into_bytes())
             } else {
                 ("404 Not Found", "text/plain", b"not found\n".to_vec())
             };

@@ -484,7 +484,7 @@ fn enc_event(en: &mut Enc, ev: &Ev, map: bool, lay: u8) -> Option<Ev> {
             if map {
                 en.map(2);
                 en.str("type");
-                en.str("BlockInactive");
+                en.str("BlockPinned"); // a tag no engine sends
                 en.str("block_hashes");
                 en.junk(0);
             } else {

@@ -174,6 +174,19 @@ async fn smg_keeps_a_sliding_groups_removals_out_across_a_restart() {
     assert_eq!(decoder_count(&page, "filtered_group"), 1.0, "{page}");
     assert_eq!(decoder_count(&page, "filtered_group_unknown"), 1.0);
     assert_eq!(decoder_count(&page, "filtered_group_conflict"), 0.0);
+    // The dropped removal may leave a block in every gateway: the rank says it is degraded.
+    let page = wait_metrics(metrics, T, |p| {
+        metric(p, "kvbridge_rank_exact", &[("rank", "0")]) == 0.0
+    });
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_rank_degraded",
+            &[("rank", "0"), ("cause", "unknown_group")]
+        ),
+        1.0,
+        "{page}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

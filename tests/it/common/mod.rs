@@ -738,10 +738,15 @@ impl Bridge {
 
 /// GET /metrics (blocking).
 pub fn scrape(addr: SocketAddr) -> String {
+    http_get(addr, "/metrics")
+}
+
+/// GET `path` on the metrics listener (blocking); the body of a 200 answer.
+pub fn http_get(addr: SocketAddr, path: &str) -> String {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics listener");
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
         .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
