@@ -3,7 +3,7 @@
 #
 #   scripts/python-venv.sh            # -> .../target/interop-venv/bin/python
 #
-# The interop test (tests/interop.rs, tests/interop/smg_stubs.py) talks to kvbridge with SMG's
+# The interop test (tests/it/interop.rs, tests/interop/smg_stubs.py) talks to kvbridge with SMG's
 # *published* Python stubs, PyPI `smg-grpc-proto`, so it checks our wire against theirs rather than
 # against our own generated code. docs/smg-api.md §8: test-only, exact version pins, never vendored —
 # so the package is installed here, from PyPI, and nothing of it is copied into the repo.

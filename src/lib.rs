@@ -4,12 +4,18 @@
 //! Data flows one way, and the modules are named after the stages:
 //!
 //! ```text
-//!   ingest  ──►  decode  ──►  ring (kvbridge-shm)  ──►  fanout (gRPC)  /  local readers (tail)
-//!   ZMQ SUB      msgpack →     one writer, many           SubscribeKvEvents on the
-//!   per rank,    SMG protobuf  read-only readers          four SMG paths
+//!   ingest  ──►  decode  ──►  ring (kvbridge-shm)  ──►  edges, each a reader of the ring
+//!   ZMQ SUB      msgpack →     one writer, many
+//!   per rank,    SMG protobuf  read-only readers
 //!   replay       bytes, in     in other processes
 //!   DEALER       place
 //! ```
+//!
+//! The edges: [`fanout`] (gRPC `SubscribeKvEvents` on the four SMG paths), [`snapshot`] (the
+//! live block table: snapshots for subscribers from 0, checkpoints), [`proxy`] (sidecar mode:
+//! the engine's gRPC server behind the same port), [`sink`] (NATS JetStream), [`publish_zmq`]
+//! (the ring re-published on the engines' own ZMQ wire, for Dynamo and llm-d), and the ring's
+//! readers in other processes (Rust, Python, C; `kvbridge tail`).
 //!
 //! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command's product
 //! subcommands; the load generator and the simulated engine are the `kvbridge-tools` crate),

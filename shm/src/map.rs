@@ -36,8 +36,10 @@ pub(crate) fn geometry_for(cap: u64, ring_id: u64) -> Geometry {
     }
 }
 
-/// A mapping base pointer plus its length. All accessors check bounds in
-/// debug builds; every offset used is a constant inside the 4 KiB header or
+/// A mapping base pointer plus its length. Every accessor checks bounds and
+/// alignment with `assert!`, in every build (a check per access, cheap beside
+/// the atomic it guards, and what keeps a bad offset from becoming a wild read
+/// in release); every offset used is a constant inside the 4 KiB header or
 /// derived from a validated [`Geometry`].
 #[derive(Clone, Copy)]
 pub(crate) struct Base<'a> {

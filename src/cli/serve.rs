@@ -264,7 +264,7 @@ pub async fn run_service(cfg: &ServeConfig) -> Result<ServiceHandle, CliError> {
     .await;
     if started.is_err() {
         for path in &created {
-            if let Err(e) = crate::snapshot::remove_ring(path) {
+            if let Err(e) = crate::ring::RingFiles::new(path).remove() {
                 tracing::warn!(path = %path.display(), error = %e, "cannot remove the ring this failed start created");
             }
         }
@@ -300,7 +300,9 @@ async fn start_on_rings(
     let mut rank_adopted = Vec::new();
     if cfg.streaming.dp_mode == DpMode::Metadata {
         for r in &cfg.ingest.ranks {
-            let path = rank_ring_path(shm, r.rank);
+            let path = crate::ring::RingFiles::rank(shm, r.rank)
+                .path()
+                .to_path_buf();
             let (hub, rec) = RingHub::open(&format!("rank-{}", r.rank), &path, &opts, &metrics)
                 .map_err(|e| setup(format!("--shm: {e}")))?;
             if !rec.adopted {
@@ -540,22 +542,27 @@ fn attach_snapshot_tables(
         return Vec::new();
     }
     let m = SnapshotMetrics::new(metrics);
+    let all_ranks: Vec<u32> = cfg.ingest.ranks.iter().map(|r| r.rank).collect();
     let mut tables = vec![RingTable::attach(
         merged,
         shm,
         merged_adopted,
         None,
+        &all_ranks,
         &cfg.snapshot,
         m.clone(),
     )];
     for (r, hub) in rank_hubs.iter().enumerate() {
-        let path = rank_ring_path(shm, r as u32);
+        let path = crate::ring::RingFiles::rank(shm, r as u32)
+            .path()
+            .to_path_buf();
         let adopted = rank_adopted.get(r).copied().unwrap_or(false);
         tables.push(RingTable::attach(
             hub,
             &path,
             adopted,
             Some(r as i32),
+            &[r as u32],
             &cfg.snapshot,
             m.clone(),
         ));
@@ -569,45 +576,17 @@ fn attach_snapshot_tables(
 /// `<shm>-rank<r>` found beside it (ranks of earlier runs included). Runs before any ring is
 /// opened.
 fn remove_stale_ring_files(shm: &std::path::Path) {
-    let mut rings = vec![shm.to_path_buf()];
-    if let (Some(name), Some(dir)) = (shm.file_name().and_then(|n| n.to_str()), shm.parent()) {
-        let dir = if dir.as_os_str().is_empty() {
-            std::path::Path::new(".")
-        } else {
-            dir
-        };
-        let prefix = format!("{name}-rank");
-        let ranks = std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let n = e.file_name();
-                let rest = n.to_str()?.strip_prefix(&prefix)?;
-                let digits = rest.split(|c: char| !c.is_ascii_digit()).next()?;
-                digits.parse::<u32>().ok()
-            });
-        rings.extend(ranks.map(|r| rank_ring_path(shm, r)));
-    }
-    rings.sort();
-    rings.dedup();
+    let rings = crate::ring::RingFiles::with_rank_rings_beside(shm);
     for ring in rings {
-        match kvbridge_shm::remove_stale_files(&ring) {
+        match ring.remove_stale() {
             Ok(removed) => {
                 for f in removed {
                     tracing::info!(path = %f.path.display(), reason = f.reason, "removed a stale ring file");
                 }
             }
             Err(e) => {
-                tracing::warn!(ring = %ring.display(), error = %e, "cannot look for stale ring files")
+                tracing::warn!(ring = %ring.path().display(), error = %e, "cannot look for stale ring files")
             }
         }
     }
-}
-
-/// The ring file of one rank in `metadata` mode: `<shm>-rank<r>`.
-pub(super) fn rank_ring_path(shm: &std::path::Path, rank: u32) -> std::path::PathBuf {
-    let mut s = shm.as_os_str().to_owned();
-    s.push(format!("-rank{rank}"));
-    s.into()
 }

@@ -81,6 +81,21 @@ pub struct DecodeError {
 }
 
 impl DecodeErrorKind {
+    /// Every [`label`](Self::label) (the metric's label values, exported at 0 from the start).
+    pub const LABELS: [&'static str; 11] = [
+        "empty",
+        "truncated",
+        "length_exceeds_input",
+        "invalid_marker",
+        "too_deep",
+        "wrong_type",
+        "batch_too_short",
+        "missing_field",
+        "duplicate_key",
+        "too_many_events",
+        "payload_too_large",
+    ];
+
     /// A short name for metrics labels.
     pub fn label(&self) -> &'static str {
         match self {

@@ -1,15 +1,23 @@
 //! Engine msgpack batch → SMG `KvEventBatch` protobuf bytes, in place.
 //!
-//! ```ignore
+//! ```
+//! use kvbridge::decode::{DecodeConfig, Decoder, RecordHeader};
+//! # fn main() -> Result<(), kvbridge::decode::DecodeError> {
+//! // An engine batch: `[ts, [["AllBlocksCleared"]]]` in msgpack.
+//! let mut payload = vec![0x92, 0xcb, 0x3f, 0xf0, 0, 0, 0, 0, 0, 0, 0x91, 0x91, 0xb0];
+//! payload.extend_from_slice(b"AllBlocksCleared");
+//! let (seq, mut eid) = (1, 1);
 //! let mut dec = Decoder::new(DecodeConfig::default());
-//! let plan = dec.plan(payload)?;                  // pass 1: validate + measure, no allocation
+//! let plan = dec.plan(&payload)?;                 // pass 1: validate + measure, no allocation
 //! for i in 0..plan.records {                      //   (plan.records == 0: nothing to publish)
 //!     let hdr = RecordHeader { sequence_number: seq, first_event_id: eid, dp_rank: None };
 //!     let len = dec.record_len(i, &hdr);          // exact encoded length of record i
-//!     let slot: &mut [u8] = ring.reserve(len)?;   // caller-provided buffer (a ring slot)
-//!     dec.write_record(payload, i, &hdr, slot);   // pass 2: writes exactly `len` bytes
+//!     let mut slot = vec![0u8; len];              // in kvbridge: a slot reserved in the ring
+//!     dec.write_record(&payload, i, &hdr, &mut slot); // pass 2: writes exactly `len` bytes
 //!     eid += dec.record_events(i);
 //! }
+//! assert_eq!((plan.records, eid), (1, 2));
+//! # Ok(()) }
 //! ```
 //!
 //! Each record is a complete `smg.grpc.common.KvEventBatch` message, byte-identical to what
@@ -143,7 +151,7 @@
 //! `fuzz/gen_malformed_corpus.py` regenerates the corpus (truncated engine vectors, huge
 //! headers, deep nesting, bad UTF-8, wrong types).
 //!
-//! `tests/decode_fuzz_corpus.rs` runs the same entry point on stable over the corpus, the
+//! `tests/it/decode_fuzz_corpus.rs` runs the same entry point on stable over the corpus, the
 //! vectors and deterministic mutations of both (`DECODE_MUTATIONS=20000000 cargo test --release
 //! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;

@@ -109,6 +109,18 @@ pub struct Fanout {
     snapshots: Option<crate::snapshot::Snapshots>,
 }
 
+/// Every `outcome` of `kvbridge_subscribe_outcomes_total` (docs/operations.md).
+const SUBSCRIBE_OUTCOMES: [&str; 8] = [
+    "fresh",
+    "snapshot",
+    "in_window",
+    "at_head",
+    "out_of_range_old",
+    "out_of_range_future",
+    "data_loss",
+    "rejected_limit",
+];
+
 impl Fanout {
     /// Fan-out over these rings; `shutdown` turning true ends every stream with `UNAVAILABLE`.
     pub fn new(
@@ -118,6 +130,16 @@ impl Fanout {
         max_subscribers: usize,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
+        // Every series of this edge at 0 from the start, so that a dashboard shows 0 and a
+        // rate is defined before the first subscriber (the label values are all known).
+        for s in crate::proto::ENGINE_SERVICES {
+            metrics.subscribers.with_label_values(&[s.path]);
+            metrics.send_latency.with_label_values(&[s.path]);
+            metrics.catchup_sends.with_label_values(&[s.path]);
+        }
+        for outcome in SUBSCRIBE_OUTCOMES {
+            metrics.resumes.with_label_values(&[outcome]);
+        }
         Fanout {
             merged,
             ranks,

@@ -129,6 +129,12 @@ impl PathHandler {
                 .metrics
                 .send_latency
                 .with_label_values(&[self.path]),
+            catchup: self
+                .fanout
+                .metrics
+                .catchup_sends
+                .with_label_values(&[self.path]),
+            opened_ns: crate::clock::unix_nanos(),
             metrics: self.fanout.metrics.clone(),
             sub,
         };
@@ -159,6 +165,9 @@ struct Delivering {
     sub: super::Subscription,
     metrics: Arc<crate::metrics::Metrics>,
     latency: prometheus::Histogram,
+    catchup: prometheus::IntCounter,
+    /// When the stream opened (Unix ns): records ingested before are catch-up, not live.
+    opened_ns: u64,
 }
 
 impl Delivering {
@@ -170,10 +179,14 @@ impl Delivering {
                 m.batches_sent.inc();
                 m.bytes_sent.inc_by(b.0.len() as u64);
                 m.subscriber_lag.observe(self.sub.lag() as f64);
+                // Live latency only: history a subscriber catches up on (a gateway's resume
+                // after a restart) would fill the histogram with the age of the ring instead.
                 let t = self.sub.last_ingest_ns();
-                if t > 0 {
+                if t >= self.opened_ns {
                     let now = crate::clock::unix_nanos();
                     self.latency.observe(now.saturating_sub(t) as f64 * 1e-9);
+                } else if t > 0 {
+                    self.catchup.inc();
                 }
             }
             Err(s) => {

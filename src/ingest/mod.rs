@@ -101,6 +101,11 @@ impl Ingest {
             for cause in crate::ring::ClearCause::ALL {
                 m.clear_series(cause.label());
             }
+            m.input_series(
+                &wire::FrameDrop::LABELS,
+                &upstream::REPLAY_OUTCOMES,
+                &crate::decode::DecodeErrorKind::LABELS,
+            );
             let mut decoder = Decoder::new(DecodeConfig {
                 // One limit: what ZMQ lets through, the decoder accepts.
                 max_payload: cfg.max_engine_message as usize,

@@ -94,6 +94,19 @@ pub enum ReplayEnd {
     Aborted,
 }
 
+/// Every `outcome` of `kvbridge_replays_total` (exported at 0 from the start).
+pub const REPLAY_OUTCOMES: [&str; 9] = [
+    "requested",
+    "succeeded",
+    "history_missing",
+    "hole",
+    "timed_out",
+    "malformed",
+    "gave_up",
+    "live_overflow",
+    "other_incarnation",
+];
+
 /// Applies batches and in-band clears (decode + ring write live behind it).
 pub trait Sink {
     /// Decodes and publishes the engine batch `seq`, whose [`digest`] is `digest`.

@@ -12,6 +12,16 @@ pub enum FrameDrop {
 }
 
 impl FrameDrop {
+    /// Every `reason` of `kvbridge_frames_dropped_total`: these, and the two ingest finds after
+    /// validation (an empty payload, a malformed replay reply).
+    pub const LABELS: [&'static str; 5] = [
+        "frame_count",
+        "seq_length",
+        "topic",
+        "empty_payload",
+        "replay_malformed",
+    ];
+
     /// Metric label.
     pub fn label(self) -> &'static str {
         match self {

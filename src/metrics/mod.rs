@@ -100,6 +100,9 @@ pub struct Metrics {
     pub statuses: IntCounterVec,
     /// Time from ingest to hand-off to the transport, seconds.
     pub send_latency: HistogramVec,
+    /// Batches a subscriber was sent from history it caught up on (ingested before it
+    /// subscribed): not live sends, so not in `send_latency`.
+    pub catchup_sends: IntCounterVec,
     /// Per-subscriber lag (N − the sequence just handed off), observed at every hand-off.
     pub subscriber_lag: Histogram,
     /// Sidecar mode (`--engine-grpc`): forwarding to the engine.
@@ -133,7 +136,7 @@ impl Metrics {
         let send_latency = HistogramVec::new(
             HistogramOpts::new(
                 "send_latency_seconds",
-                "Ingest to transport hand-off, per subscriber batch",
+                "Ingest to transport hand-off, per live subscriber batch (ingested after the subscriber subscribed; catch-up is kvbridge_catchup_sends_total)",
             )
             .buckets(prometheus::exponential_buckets(5e-6, 2.5, 14).expect("buckets")),
             &["path"],
@@ -361,6 +364,12 @@ impl Metrics {
             ),
             statuses: counter(&r, "statuses_total", "gRPC statuses emitted", &["code"]),
             send_latency,
+            catchup_sends: counter(
+                &r,
+                "catchup_sends_total",
+                "Batches sent to subscribers from history ingested before they subscribed (a new or resuming subscriber catching up)",
+                &["path"],
+            ),
             subscriber_lag,
             proxy: ProxyMetrics::new(&r),
             process: ProcessMetrics::new(),
@@ -480,6 +489,20 @@ impl RankMetrics {
     /// Creates the synthesized-clear series for `cause` (at 0) without counting one.
     pub fn clear_series(&self, cause: &str) {
         self.clears.with_label_values(&[self.label.as_str(), cause]);
+    }
+    /// Creates the series of every dropped-frame reason, replay outcome and decode-error kind
+    /// given (at 0), so that rates and `increase()` are defined before the first one.
+    pub fn input_series(&self, drops: &[&str], replays: &[&str], decode_errors: &[&str]) {
+        let r = self.label.as_str();
+        for d in drops {
+            self.frames_dropped.with_label_values(&[r, d]);
+        }
+        for o in replays {
+            self.replays.with_label_values(&[r, o]);
+        }
+        for k in decode_errors {
+            self.decode_errors.with_label_values(&[r, k]);
+        }
     }
     /// Counts a synthesized clear.
     pub fn clear(&self, cause: &str) {

@@ -16,6 +16,7 @@
 
 mod cache;
 mod config;
+mod files;
 mod gauges;
 mod source;
 
@@ -38,6 +39,7 @@ pub use config::{
     RingConfig, DEFAULT_RING_SIZE, DEFAULT_SPLIT_THRESHOLD, MAX_RING_SIZE, MAX_SPLIT_THRESHOLD,
     MIN_RING_SIZE, MIN_SPLIT_THRESHOLD,
 };
+pub use files::{remove_tmps_of, tmp_of, RingFiles};
 pub use gauges::spawn_heartbeat;
 use gauges::RingMetrics;
 pub use source::{

@@ -222,6 +222,21 @@ impl SinkMetrics {
     }
 }
 
+impl SinkMetrics {
+    /// Creates every series of `subject` at 0.
+    fn series_at_zero(&self, subject: &str) {
+        let l = [subject];
+        self.published.with_label_values(&l);
+        self.failures.with_label_values(&l);
+        self.republished.with_label_values(&l);
+        self.rejected_for_order.with_label_values(&l);
+        self.lag.with_label_values(&l);
+        self.lag_seconds.with_label_values(&l);
+        self.acked_seq.with_label_values(&l);
+        self.latency.with_label_values(&l);
+    }
+}
+
 /// The running sink: a task that connects (unless already connected) and runs one publisher
 /// per ring.
 pub struct Sink {
@@ -528,6 +543,11 @@ async fn run(
     ready: Option<Ready>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    // Every subject's series at 0 while NATS may still be unreachable: the dashboard then shows
+    // the sink is there and has published nothing, and `increase()` sees the first failure.
+    for (tail, _) in &rings {
+        sm.series_at_zero(&format!("{}.{worker}.{tail}", cfg.subject_prefix));
+    }
     let ready = match ready {
         Some(r) => r,
         None => {

@@ -182,8 +182,6 @@ impl Publisher {
     ) -> Self {
         let reader = hub.reader();
         let ring_id = reader.ring_id();
-        // At 0 from the start, so that dashboards and alerts see the first failure.
-        metrics.failures.with_label_values(&[&subject]);
         Publisher {
             client,
             stream,

@@ -53,7 +53,7 @@ use crate::ring::{PublishHook, RecordSource, RingHub};
 use kvbridge_shm::RecordMeta;
 use schedule::{OnDisk, Schedule};
 
-pub use persist::{checkpoint_path, read_checkpoint, remove_ring, CheckpointError, Restored};
+pub use persist::{checkpoint_path, read_checkpoint, CheckpointError, Restored};
 pub use schedule::DEFAULT_CHECKPOINT_INTERVAL;
 pub use serve::{Chunks, CHUNK_MAX, CHUNK_MIN};
 pub use table::{Table, COPIES_CAP};
@@ -336,6 +336,7 @@ impl RingTable {
         path: &Path,
         adopted: bool,
         dp_rank: Option<i32>,
+        ranks: &[u32],
         cfg: &SnapshotConfig,
         metrics: Arc<SnapshotMetrics>,
     ) -> Arc<Self> {
@@ -389,8 +390,23 @@ impl RingTable {
         // the start-up checkpoint is written before anything publishes (before the engine's
         // replay can lap the cut of the file found on disk)
         t.checkpoint_tick(false);
+        t.series_at_zero(ranks);
         t.refresh_metrics();
         t
+    }
+
+    /// Every series of this ring's table at 0 before the first block or snapshot, so that a
+    /// dashboard shows 0 and a rate is defined (`ranks`: the engine ranks the ring carries).
+    fn series_at_zero(&self, ranks: &[u32]) {
+        let (m, ring) = (&self.metrics, self.label.as_str());
+        for r in ranks {
+            m.blocks.with_label_values(&[ring, &r.to_string()]);
+        }
+        for complete in ["true", "false"] {
+            m.served.with_label_values(&[ring, complete]);
+        }
+        m.chunks.with_label_values(&[ring]);
+        m.seconds.with_label_values(&[ring]);
     }
 
     /// The ring's label.
@@ -761,6 +777,7 @@ mod tests {
             &path,
             false,
             None,
+            &[0],
             &SnapshotConfig::default(),
             SnapshotMetrics::new(&metrics),
         );

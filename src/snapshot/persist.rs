@@ -15,34 +15,17 @@ use prost::Message;
 use super::image::Image;
 use super::table::Table;
 use crate::proto::common::{kv_cache_event, KvBlocksStored, KvEventBatch};
-use crate::ring::{EventVisitor, StoredEvent};
+use crate::ring::{remove_tmps_of, tmp_of, EventVisitor, RingFiles, StoredEvent};
 
 /// File magic (LAYOUT.md §1).
 pub(crate) const MAGIC: [u8; 8] = *b"KVBSNAP\x01";
 /// Header bytes.
 pub(crate) const HEADER_LEN: usize = 32;
 
-/// The checkpoint path of the ring at `ring`.
+/// The checkpoint path of the ring at `ring` ([`RingFiles::checkpoint`], where every file
+/// beside a ring is named and removed).
 pub fn checkpoint_path(ring: &Path) -> PathBuf {
-    let mut s = ring.as_os_str().to_owned();
-    s.push(".snapshot");
-    PathBuf::from(s)
-}
-
-/// Removes the ring at `ring` with everything kvbridge keeps beside it: its wake file
-/// ([`kvbridge_shm::remove_ring`]), its checkpoint and any checkpoint a killed writer left half
-/// written. A checkpoint without its ring is useless (it restores a table only together with the
-/// ring's tail) and occupies tmpfs, which is memory. A file already gone is not an error; the
-/// first other error is returned after every removal was tried.
-pub fn remove_ring(ring: &Path) -> std::io::Result<()> {
-    let rings = kvbridge_shm::remove_ring(ring);
-    let cp = checkpoint_path(ring);
-    let checkpoint = match std::fs::remove_file(&cp) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        r => r,
-    };
-    remove_stale_tmp(&cp);
-    rings.and(checkpoint)
+    RingFiles::new(ring).checkpoint()
 }
 
 /// Why a checkpoint was not used.
@@ -70,9 +53,7 @@ pub(crate) fn write_checkpoint(path: &Path, generation: u64, image: &[u8]) -> st
     buf.extend_from_slice(&[0u8; 4]);
     debug_assert_eq!(buf.len(), HEADER_LEN);
     buf.extend_from_slice(image);
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp.{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
+    let tmp = tmp_of(path);
     {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
@@ -116,29 +97,6 @@ pub fn read_checkpoint(path: &Path) -> Result<Vec<u8>, CheckpointError> {
     Ok(image.to_vec())
 }
 
-/// Removes temporary checkpoint files a killed writer left beside `path`.
-pub(crate) fn remove_stale_tmp(path: &Path) {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
-        return;
-    };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let prefix = format!("{name}.tmp.");
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            if e.file_name()
-                .to_str()
-                .is_some_and(|n| n.starts_with(&prefix))
-            {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-}
-
 /// How a table was restored at start-up.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Restored {
@@ -169,7 +127,7 @@ pub(crate) fn restore(
     (o, n): (u64, u64),
     max_blocks: usize,
 ) -> (Table, Restored) {
-    remove_stale_tmp(path);
+    remove_tmps_of(path);
     if !adopted {
         let _ = std::fs::remove_file(path);
         return (Table::new(max_blocks, n + 1), Restored::Fresh);

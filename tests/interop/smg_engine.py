@@ -1,4 +1,4 @@
-"""A minimal vLLM-shaped gRPC engine for the real-gateway test (tests/gateway.rs).
+"""A minimal vLLM-shaped gRPC engine for the real-gateway test (tests/it/gateway.rs).
 
 It answers what an SMG gateway asks of a gRPC worker while registering and routing:
 `VllmEngine/HealthCheck`, `GetModelInfo` (pointing at a local tokenizer directory), and

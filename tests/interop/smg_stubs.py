@@ -2,7 +2,7 @@
 """Interop checks of kvbridge against SMG's *published* Python stubs (PyPI `smg-grpc-proto`).
 
 Run inside the venv made by `scripts/python-venv.sh` (the package is installed there from PyPI,
-pinned, never copied into this repo: docs/smg-api.md §8). Driven by `tests/interop.rs`.
+pinned, never copied into this repo: docs/smg-api.md §8). Driven by `tests/it/interop.rs`.
 
 Modes:
 
@@ -359,7 +359,7 @@ def event_dict(e):
 
 
 def batch_dict(b):
-    """The batch as plain data, in the same shape `tests/interop.rs` writes its expectation."""
+    """The batch as plain data, in the same shape `tests/it/interop.rs` writes its expectation."""
     snap = None
     if b.HasField("snapshot"):
         s = b.snapshot
@@ -605,7 +605,7 @@ def main():
     d.add_argument("--proto", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "proto"))
     s = sub.add_parser("subscribe")
     s.add_argument("--grpc", required=True, help="HOST:PORT of kvbridge's gRPC listener")
-    s.add_argument("--expect", required=True, help="expectation JSON written by tests/interop.rs")
+    s.add_argument("--expect", required=True, help="expectation JSON written by tests/it/interop.rs")
     a = ap.parse_args()
     if a.mode == "descriptors":
         return compare_descriptors(os.path.abspath(a.proto))

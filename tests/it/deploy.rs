@@ -241,7 +241,7 @@ impl DefaultRing {
 
 impl Drop for DefaultRing {
     fn drop(&mut self) {
-        let _ = kvbridge::snapshot::remove_ring(&self.0);
+        let _ = kvbridge::ring::RingFiles::new(&self.0).remove();
     }
 }
 

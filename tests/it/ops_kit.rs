@@ -5,8 +5,11 @@
 //!   a typo in either, and on a metric renamed in the code). The bridge runs with every output
 //!   that has metrics of its own: sidecar mode in front of the test engine gRPC server, a NATS
 //!   JetStream sink (a real `nats-server`, `scripts/nats-server.sh`), snapshots, the engine ZMQ
-//!   wire with replay (`--publish-zmq`, its series created at zero at start), and is driven
-//!   through a gap, an undecodable batch and dropped frames, a subscriber and a forwarded call.
+//!   wire with replay (`--publish-zmq`), and is driven through a gap, an undecodable batch and
+//!   dropped frames, a subscriber and a forwarded call;
+//! - and every one of them is there **before** the first event, at 0 (but the forwarded calls'
+//!   counter, whose `method` label is the path a gateway calls): a panel shows 0, not "No data",
+//!   and an `increase()` alert sees the first error.
 //!
 //! The rules' own behaviour (each alert firing and staying quiet) is unit-tested by
 //! `promtool test rules` (scripts/test.sh).
@@ -173,10 +176,22 @@ async fn every_metric_the_dashboard_and_the_alerts_query_is_served() {
     .map(String::from)
     .to_vec();
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
-    common::wait_metrics(maddr, T, |p| {
+    let page = common::wait_metrics(maddr, T, |p| {
         metric(p, "kvbridge_upstream_connected", &[("rank", "0")]) >= 1.0
             && metric(p, "kvbridge_proxy_engine_up", &[]) >= 1.0
     });
+    // Before any traffic every queried series is already there (at 0), so that panels show 0
+    // and `increase()` sees the first event, not the second. The one exception: the forwarded
+    // calls' `method` label is whatever path a gateway calls, not known in advance.
+    let at_start = served_names(&page);
+    let not_yet: Vec<&String> = dashboard
+        .union(&rules)
+        .filter(|n| !at_start.contains(*n) && *n != "kvbridge_proxy_calls_total")
+        .collect();
+    assert!(
+        not_yet.is_empty(),
+        "queried metrics missing before the first event: {not_yet:?}\n--- /metrics\n{page}"
+    );
 
     // Batches, an undecodable one, frames dropped before decoding, and a gap replay fills.
     let mut parent = None;

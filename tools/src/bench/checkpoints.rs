@@ -254,8 +254,7 @@ fn start_bridge(
         std::env::temp_dir()
     };
     let shm = dir.join(format!("kvbridge-ckbench-{}-{name}", std::process::id()));
-    let _ = kvbridge_shm::remove_ring(&shm);
-    let _ = std::fs::remove_file(kvbridge::snapshot::checkpoint_path(&shm));
+    let _ = kvbridge::ring::RingFiles::new(&shm).remove();
     let child = Command::new(exe)
         .args(["serve", "--zmq", &ep, "--replay", &rep, "--seq-base", "1"])
         .args(["--grpc", &grpc.to_string()])

@@ -488,7 +488,7 @@ pub(crate) fn fine_timer_slack() {
 
 /// Stops a `kvbridge serve` child the bench started: SIGTERM, up to `patience` for a clean exit
 /// (so its shutdown path runs, as in production), then SIGKILL; then removes its ring with
-/// everything beside it ([`kvbridge::snapshot::remove_ring`]).
+/// everything beside it ([`kvbridge::ring::RingFiles::remove`]).
 pub fn stop_bridge(child: &mut std::process::Child, shm: &std::path::Path, patience: Duration) {
     // At worst it already exited and the call fails.
     let _ = rustix::process::kill_process(
@@ -504,5 +504,5 @@ pub fn stop_bridge(child: &mut std::process::Child, shm: &std::path::Path, patie
     }
     let _ = child.kill();
     let _ = child.wait();
-    let _ = kvbridge::snapshot::remove_ring(shm);
+    let _ = kvbridge::ring::RingFiles::new(shm).remove();
 }

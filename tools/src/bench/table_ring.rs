@@ -73,6 +73,7 @@ impl TableRing {
             &path,
             false,
             None,
+            &[0],
             &SnapshotConfig::default(),
             SnapshotMetrics::new(&metrics),
         );

@@ -383,7 +383,7 @@ fn start_bridge(a: &BenchArgs, ctx: &zmq::Context) -> Result<Target, CliError> {
         std::env::temp_dir()
     };
     let shm = dir.join(format!("kvbridge-bench-{}", std::process::id()));
-    let _ = kvbridge::snapshot::remove_ring(&shm);
+    let _ = kvbridge::ring::RingFiles::new(&shm).remove();
     let ready = std::env::temp_dir().join(format!("kvbridge-bench-{}.ready", std::process::id()));
     let _ = std::fs::remove_file(&ready);
     let exe = std::env::current_exe().map_err(|e| CliError::Setup(e.to_string()))?;

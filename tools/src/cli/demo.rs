@@ -96,7 +96,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     struct RemoveRing(std::path::PathBuf);
     impl Drop for RemoveRing {
         fn drop(&mut self) {
-            let _ = kvbridge::snapshot::remove_ring(&self.0);
+            let _ = kvbridge::ring::RingFiles::new(&self.0).remove();
         }
     }
     let _remove_ring = RemoveRing(shm.clone());
