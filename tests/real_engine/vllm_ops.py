@@ -3,9 +3,10 @@
 
 stdin: one JSON object per line, {"payload": HEX}; stdout, one line per input line as soon as it
 is read: {"events": [...]}, each event {"type": tag} plus, for BlockStored, `block_hashes`,
-`parent_block_hash` and `token_ids`, for BlockRemoved `block_hashes`, hashes as unsigned 64-bit
-ints (a bin hash: its last 8 bytes, big-endian); or {"error": why} when vLLM's decoder rejects
-the payload.
+`parent_block_hash`, `token_ids`, `block_size`, `medium`, `group_idx` and `kv_cache_spec_kind`,
+for BlockRemoved `block_hashes`, `medium` and `group_idx`, hashes as unsigned 64-bit ints (a bin
+hash: its last 8 bytes, big-endian), a field the event leaves out as null; or {"error": why} when
+vLLM's decoder rejects the payload.
 """
 import json
 import os
@@ -39,9 +40,18 @@ def event(e):
             "block_hashes": [h(x) for x in e.block_hashes],
             "parent_block_hash": h(e.parent_block_hash),
             "token_ids": list(e.token_ids),
+            "block_size": e.block_size,
+            "medium": e.medium,
+            "group_idx": e.group_idx,
+            "kv_cache_spec_kind": e.kv_cache_spec_kind,
         }
     if isinstance(e, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [h(x) for x in e.block_hashes]}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [h(x) for x in e.block_hashes],
+            "medium": e.medium,
+            "group_idx": e.group_idx,
+        }
     if isinstance(e, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     return {"type": type(e).__name__}
