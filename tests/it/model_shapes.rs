@@ -611,7 +611,7 @@ async fn vllm_published_model_shapes_under_both_profiles() {
         (0..published).collect::<Vec<_>>(),
         "the publisher's replay from 0 is its batches"
     );
-    let script = vllm.events(&history);
+    let script = vllm.json_events(&history);
     let want_all: Vec<Ev> = script.iter().map(from_vllm).collect();
     let (want_smg, want_counts) = smg_profile(&script);
     let (want_live, twice) = live(&want_all);
@@ -680,7 +680,7 @@ async fn vllm_published_model_shapes_under_both_profiles() {
     let replay_ep = replay_ep.expect("--publish-zmq-replay bound");
     let window = common::eventually("the re-publish has every record", T, || {
         let evs: Vec<Ev> = vllm
-            .events(&replay(&ctx, &replay_ep, 1).unwrap_or_else(|e| panic!("{e}")))
+            .json_events(&replay(&ctx, &replay_ep, 1).unwrap_or_else(|e| panic!("{e}")))
             .iter()
             .map(from_vllm)
             .collect();
@@ -696,7 +696,7 @@ async fn vllm_published_model_shapes_under_both_profiles() {
         &all_stream,
     ));
     let state: Vec<Ev> = vllm
-        .events(&replay(&ctx, &replay_ep, 0).unwrap_or_else(|e| panic!("{e}")))
+        .json_events(&replay(&ctx, &replay_ep, 0).unwrap_or_else(|e| panic!("{e}")))
         .iter()
         .map(from_vllm)
         .collect();

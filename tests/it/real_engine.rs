@@ -16,8 +16,8 @@
 //! | f | kvbridge down while the engine restarts, and the new incarnation publishes more batches than the old one had: one in-band clear, then the new incarnation's whole history from seq 0 |
 //!
 //! After each, kvbridge's gRPC stream subscribed from 0 must be the engine's ops (every
-//! incarnation's replay from 0, decoded by kvbridge's decoder) op for op: stores (hashes, parent,
-//! tokens), removals and clears in order, with one in-band clear exactly where the engine
+//! incarnation's replay from 0, decoded by kvbridge's decoder) op for op: stores (group, hashes,
+//! parent, tokens), removals (group, hashes) and clears in order, with one in-band clear exactly where the engine
 //! restarted and nowhere else; its block set must be the engine's live block set;
 //! `kvbridge_engine_restarts_total` must count the engine restarts this kvbridge process lived
 //! through. In the bound timeline kvbridge also re-publishes on the engine wire
@@ -36,8 +36,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::real_engine::{
-    block_set, diff, engine_ops, grpc_ops, quiet_port, replay, Endpoint, EngineOpts, Op, PortHold,
-    RealEngine, VllmDecoder, BLOCKS,
+    block_set, diff, engine_ops, grpc_ops, quiet_port, replay, stream_from_0, Endpoint, EngineOpts,
+    Op, PortHold, RealEngine, VllmDecoder, BLOCKS,
 };
 use common::{metric, scrape, Bridge};
 
@@ -230,23 +230,7 @@ impl Timeline {
 
     /// kvbridge's stream subscribed from 0, up to the ring's newest record, as ops.
     fn kvbridge_ops(&self) -> Vec<Op> {
-        let b = self.bridge();
-        let newest = metric(&scrape(b.metrics.unwrap()), "kvbridge_ring_newest_seq", &[]) as u64;
-        if newest == 0 {
-            return Vec::new();
-        }
-        let url = b.url();
-        self.rt.block_on(async {
-            let mut s = common::subscribe(&url, 0)
-                .await
-                .unwrap_or_else(|st| panic!("subscribe from 0: {st:?}"));
-            let got = common::try_collect_until(&mut s, CHECK_TIMEOUT, |got| {
-                got.last().is_some_and(|l| l.sequence_number >= newest)
-            })
-            .await
-            .unwrap_or_else(|st| panic!("the stream from 0 failed: {st:?}"));
-            grpc_ops(&got)
-        })
+        grpc_ops(&stream_from_0(&self.rt, self.bridge(), CHECK_TIMEOUT))
     }
 
     /// Waits until kvbridge's stream has as many ops as it must have (not checking them).

