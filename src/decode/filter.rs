@@ -120,11 +120,15 @@ impl Decoder {
         let bs =
             f.bs.filter(|&b| b > 0 && b <= u32::MAX as u64)
                 .map(|b| b as u32);
+        // Only a store that names its kind is a full block of its group: vLLM's partial-block
+        // stores (`BlockPool.cache_partial_block`, 0.32) carry the group but no kind and the
+        // length of the partial stretch as `block_size`. Pinned by one of those first, the
+        // group's real blocks would all look like another cache and be dropped under `smg`.
         let (kind, conflict) = self.groups.store(StoreGroup {
             idx,
             kind,
             window: f.sliding,
-            device_block_size: bs.filter(|_| device),
+            device_block_size: bs.filter(|_| device && kind.is_some()),
         });
         (kind, conflict == Conflict::Yes)
     }

@@ -275,6 +275,26 @@ def main():
         "release-classes", vk.KVEventBatch(ts=TS, events=evs, data_parallel_rank=0), exp,
         {"unknown_keys": 0, "malformed_events": 0},
     ))
+    # A partial-block store (vLLM 0.32 BlockPool.cache_partial_block: the group, no kind, the
+    # partial stretch's length as block_size) before the group's full blocks.
+    pt, ft = toks(100, 5), toks(512, 6)
+    out.append(vec(
+        "partial_block_store_before_full_blocks",
+        f"vllm-{vllm_version} classes (BlockPool.cache_partial_block)", "release-classes",
+        vk.KVEventBatch(ts=TS, events=[
+            vk.BlockStored(block_hashes=[H[0]], parent_block_hash=None, token_ids=pt,
+                           block_size=100, lora_id=None, medium="GPU", lora_name=None,
+                           group_idx=0),
+            vk.BlockStored(block_hashes=H[1:3], parent_block_hash=None, token_ids=ft,
+                           block_size=256, lora_id=None, medium="GPU", lora_name=None,
+                           group_idx=0, kv_cache_spec_kind="full_attention"),
+        ], data_parallel_rank=0),
+        [stored_exp([H[0]], None, pt, 100, lora_id=None, medium="GPU", lora_name=None,
+                    group_idx=0),
+         stored_exp(H[1:3], None, ft, 256, lora_id=None, medium="GPU", lora_name=None,
+                    group_idx=0, kv_cache_spec_kind="full_attention")],
+        {"filtered_group_conflict": 0, "malformed_events": 0},
+    ))
     doc = {
         "about": "Event kinds and fields newer than engine-vectors.json, encoded by msgspec from "
         "class definitions that follow each vector's source (tests/data/new_shapes.py); "

@@ -10,7 +10,9 @@
 //!   `group_idx`: read as one, the removal failed validation and became an in-band clear);
 //! - ROCm ATOM's trailing `token_offset`: an int where vLLM's short array layout has
 //!   `lora_name` is read past; after the long layout it is an unknown trailing element;
-//! - open medium strings are forwarded raw, mapped to a tier case-insensitively.
+//! - open medium strings are forwarded raw, mapped to a tier case-insensitively;
+//! - vLLM 0.32's partial-block stores (a group, no kind, the partial length as `block_size`) do
+//!   not pin their group's block size, so the full blocks after them are not a conflict.
 use kvbridge::decode::{DecodeConfig, Decoder, Profile};
 use kvbridge::proto::common::{kv_block_extra_key::Key, kv_cache_event::Data, KvMultimodalKey};
 use serde_json::Value;
@@ -42,7 +44,7 @@ fn counter(dec: &Decoder, name: &str) -> u64 {
 #[test]
 fn every_new_shape_decodes_to_its_meaning() {
     let vs = vectors();
-    assert_eq!(vs.len(), 8);
+    assert_eq!(vs.len(), 9);
     for v in &vs {
         let ctx = format!("{} ({}, {})", v["case"], v["source"], v["status"]);
         assert!(
@@ -175,4 +177,20 @@ fn smg_profile_forwards_the_new_removals_and_unknown_media() {
     // `Storage` is the disk tier, which SMG does not index (docs/engine-wire.md §9.1).
     assert_eq!(media, ["cpu", "cpu", "CXL", "CXL", "hbm3", "hbm3"]);
     assert_eq!(counter(&dec, "filtered_tier"), 2);
+
+    // A partial-block store first does not pin its group's block size: the full blocks after
+    // it are the group's, not another cache's. Before, both were dropped as a conflict.
+    let v = vector("partial_block_store_before_full_blocks");
+    let mut dec = smg();
+    let recs = run(&mut dec, &unhex(v["payload_hex"].as_str().unwrap()));
+    let stored: Vec<usize> = recs[0]
+        .events
+        .iter()
+        .map(|e| match &e.data {
+            Some(Data::Stored(s)) => s.blocks.len(),
+            d => panic!("{d:?}"),
+        })
+        .collect();
+    assert_eq!(stored, [1, 2]);
+    assert_eq!(counter(&dec, "filtered_group_conflict"), 0);
 }
