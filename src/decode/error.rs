@@ -120,3 +120,31 @@ impl DecodeError {
         Self { kind, offset }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::DecodeErrorKind as K;
+
+    /// `LABELS` is every label, so that every kind's series exists from the start.
+    #[test]
+    fn labels_are_every_kinds_label() {
+        let every = [
+            K::Empty,
+            K::Truncated { need: 1 },
+            K::LengthExceedsInput { declared: 1 },
+            K::InvalidMarker,
+            K::TooDeep { limit: 1 },
+            K::WrongType {
+                what: "x",
+                marker: 0,
+            },
+            K::BatchTooShort { len: 1 },
+            K::MissingField("x"),
+            K::DuplicateKey("x"),
+            K::TooManyEvents { count: 1, limit: 1 },
+            K::PayloadTooLarge { len: 1, limit: 1 },
+        ];
+        let labels: Vec<&str> = every.iter().map(|k| k.label()).collect();
+        assert_eq!(labels, K::LABELS);
+    }
+}
