@@ -63,15 +63,40 @@ fn key_id(k: &[u8]) -> Option<u32> {
 /// position 3 is vLLM's `group_idx` (int/nil) or SGLang's proposed `reason` (a str). Read as
 /// the wrong one, a well-formed event would fail validation and a removal would be lost.
 fn position_id(tag: Tag, i: u32, c: &Cur<'_>) -> Result<u32, DecodeError> {
-    let m = Marker::from_u8(c.peek()?);
-    let is_map = matches!(m, Marker::FixMap(_) | Marker::Map16 | Marker::Map32);
-    let is_str = matches!(
-        m,
-        Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32
-    );
-    let is_int = matches!(
-        m,
-        Marker::FixPos(_)
+    Ok(match (tag, i) {
+        (Tag::Stored, 7) => match ValueType::at(c)? {
+            ValueType::Map => F_METADATA,
+            ValueType::Int => F_TOKEN_OFFSET,
+            _ => F_LORA_NAME,
+        },
+        (Tag::Stored, 8) => F_EXTRA,
+        (Tag::Stored, 9) => F_GROUP,
+        (Tag::Stored, 10) => F_KIND,
+        (Tag::Stored, 11) => F_SLIDING,
+        (Tag::Stored, i) => i, // 1..=6 match the field ids
+        (_, 1) => F_HASHES,
+        (_, 2) => F_MEDIUM,
+        (Tag::Removed, 3) if ValueType::at(c)? == ValueType::Str => F_REASON,
+        _ => F_GROUP,
+    })
+}
+
+/// The msgpack type of the value `c` is at, as far as [`position_id`] tells positions apart
+/// by it (looked at only where it must).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ValueType {
+    Map,
+    Str,
+    Int,
+    Other,
+}
+
+impl ValueType {
+    fn at(c: &Cur<'_>) -> Result<ValueType, DecodeError> {
+        Ok(match Marker::from_u8(c.peek()?) {
+            Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => ValueType::Map,
+            Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => ValueType::Str,
+            Marker::FixPos(_)
             | Marker::FixNeg(_)
             | Marker::U8
             | Marker::U16
@@ -80,22 +105,10 @@ fn position_id(tag: Tag, i: u32, c: &Cur<'_>) -> Result<u32, DecodeError> {
             | Marker::I8
             | Marker::I16
             | Marker::I32
-            | Marker::I64
-    );
-    Ok(match (tag, i) {
-        (Tag::Stored, 7) if is_map => F_METADATA,
-        (Tag::Stored, 7) if is_int => F_TOKEN_OFFSET,
-        (Tag::Stored, 7) => F_LORA_NAME,
-        (Tag::Stored, 8) => F_EXTRA,
-        (Tag::Stored, 9) => F_GROUP,
-        (Tag::Stored, 10) => F_KIND,
-        (Tag::Stored, 11) => F_SLIDING,
-        (Tag::Stored, i) => i, // 1..=6 match the field ids
-        (_, 1) => F_HASHES,
-        (_, 2) => F_MEDIUM,
-        (Tag::Removed, 3) if is_str => F_REASON,
-        _ => F_GROUP,
-    })
+            | Marker::I64 => ValueType::Int,
+            _ => ValueType::Other,
+        })
+    }
 }
 
 impl Decoder {

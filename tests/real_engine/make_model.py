@@ -97,10 +97,9 @@ HYBRID_LAYERS = ["sliding_attention", "full_attention"]
 SLIDING_WINDOW = 64
 
 
-def gemma3(vocab):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
+def hybrid_config(vocab):
+    """The settings both hybrid kinds share: tiny, one sliding and one full layer."""
+    return dict(
         vocab_size=len(vocab),
         hidden_size=64,
         intermediate_size=128,
@@ -110,38 +109,31 @@ def gemma3(vocab):
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        query_pre_attn_scalar=32,
         max_position_embeddings=2048,
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         pad_token_id=vocab["<pad>"],
         torch_dtype="float32",
     )
-    return Gemma3ForCausalLM(config)
+
+
+def gemma3(vocab):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(
+        Gemma3TextConfig(**hybrid_config(vocab), query_pre_attn_scalar=32)
+    )
 
 
 def gemma4(vocab):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    config = Gemma4TextConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(HYBRID_LAYERS),
-        layer_types=HYBRID_LAYERS,
-        sliding_window=SLIDING_WINDOW,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        global_head_dim=64,
-        hidden_size_per_layer_input=0,
-        max_position_embeddings=2048,
-        bos_token_id=vocab["<s>"],
-        eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<pad>"],
-        torch_dtype="float32",
+    # The full layer's heads are larger: a different block size per group.
+    return Gemma4ForCausalLM(
+        Gemma4TextConfig(
+            **hybrid_config(vocab), global_head_dim=64, hidden_size_per_layer_input=0
+        )
     )
-    return Gemma4ForCausalLM(config)
 
 
 def main() -> None:
