@@ -216,7 +216,7 @@ fn main() {
         layout: WireLayout::Map,
         hwm: kvbridge::publish_zmq::DEFAULT_PUB_HWM,
     };
-    let edge = ZmqPublisher::start(
+    let edge = ZmqPublisher::start_on(
         &cfg,
         "kv",
         vec![RankSource {

@@ -17,7 +17,8 @@
 //! (the ring re-published on the engines' own ZMQ wire, for Dynamo and llm-d), and the ring's
 //! readers in other processes (Rust, Python, C; `kvbridge tail`).
 //!
-//! Beside the pipeline: [`config`] (flags + TOML), [`cli`] (the `kvbridge` command's product
+//! Beside the pipeline: [`service`] (the running service: every stage and edge started in
+//! data-flow order and stopped in reverse, on one signal), [`config`] (flags + TOML), [`cli`] (the `kvbridge` command's product
 //! subcommands; the load generator and the simulated engine are the `kvbridge-tools` crate),
 //! [`metrics`] (Prometheus), [`health`] (upstream connections → `grpc.health.v1`), [`net`]
 //! (the listeners' accept loop and the gRPC handshake deadline) and [`secrets`] (the TLS
@@ -44,5 +45,6 @@ pub mod proxy;
 pub mod publish_zmq;
 pub mod ring;
 pub mod secrets;
+pub mod service;
 pub mod sink;
 pub mod snapshot;

@@ -14,7 +14,7 @@ mod tail;
 use clap::Subcommand;
 
 pub use json::BatchPrinter;
-pub use serve::{run_service, ServiceHandle, StopSignals};
+pub use serve::StopSignals;
 
 /// The product's subcommands.
 #[derive(Subcommand, Debug)]
@@ -47,6 +47,12 @@ pub enum CliError {
     /// The run failed after it started (exit 1).
     #[error("{0}")]
     Failed(String),
+}
+
+impl From<crate::service::SetupError> for CliError {
+    fn from(e: crate::service::SetupError) -> Self {
+        CliError::Setup(e.to_string())
+    }
 }
 
 impl CliError {

@@ -6,7 +6,7 @@
 //! is both the flag (clap) and the TOML key (serde), with the same kebab-case name, and its doc
 //! comment is the `--help` text. A flag given on the command line wins over the file. Each
 //! concern has one validator that turns it into the settings type of the component it configures
-//! ([`IngestConfig`], [`RingConfig`], [`StreamingConfig`], [`SecurityConfig`], [`ProxyConfig`],
+//! ([`IngestConfig`], [`RingConfig`], [`FanoutConfig`], [`SecurityConfig`], [`ProxyConfig`],
 //! …, each defined by that component with its defaults and limits), before anything is started,
 //! so a bad value is reported as one line naming the problem (the CLI turns it into exit code 2).
 //! [`ServeArgs::resolve`] adds the checks that span concerns and nests the results in
@@ -19,7 +19,7 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::fanout::{DpMode, StreamingConfig};
+use crate::fanout::{DpMode, FanoutConfig};
 use crate::ingest::IngestConfig;
 use crate::proxy::{ProxyConfig, PROXY_MAX_STREAMS_PER_CONNECTION};
 use crate::publish_zmq::PublishZmqConfig;
@@ -222,17 +222,17 @@ impl ServeArgs {
             .is_some();
         let proxy = proxy.merge(file.proxy).validate()?;
         let (ingest, warnings) = engine.merge(file.engine).validate()?;
-        let mut streaming = streaming.merge(file.streaming).validate()?;
+        let mut fanout = streaming.merge(file.streaming).validate()?;
         let ring = ring.merge(file.ring).validate()?;
         let security = security.merge(file.security).validate()?;
-        let ops = ops.merge(file.ops).validate(streaming.grpc)?;
+        let ops = ops.merge(file.ops).validate(fanout.grpc)?;
         let nats = nats.merge(file.nats).validate()?;
         let snapshot = snapshot.merge(file.snapshot).validate()?;
         let publish_zmq = publish_zmq.merge(file.publish_zmq).validate()?;
         if let Some(p) = &publish_zmq {
             let n = ingest.ranks.len() as u32;
             // Each rank's wire numbers its batches with its own ring's sequence numbers.
-            if n > 1 && streaming.dp_mode != DpMode::Metadata {
+            if n > 1 && fanout.dp_mode != DpMode::Metadata {
                 return Err(invalid(format!(
                     "--publish-zmq with {n} ranks needs --dp-mode metadata (one ring, hence one contiguous sequence, per rank)"
                 )));
@@ -240,12 +240,12 @@ impl ServeArgs {
             p.check_ranks(n).map_err(invalid)?;
         }
         if proxy.is_some() && !streams_given {
-            streaming.max_streams_per_connection = PROXY_MAX_STREAMS_PER_CONNECTION;
+            fanout.max_streams_per_connection = PROXY_MAX_STREAMS_PER_CONNECTION;
         }
         Ok(ServeConfig {
             ingest,
             ring,
-            streaming,
+            fanout,
             security,
             ops,
             snapshot,
@@ -301,8 +301,8 @@ pub struct ServeConfig {
     pub ingest: IngestConfig,
     /// The ring file, its size and numbering.
     pub ring: RingConfig,
-    /// The gRPC edge: listener, multi-rank mode, profile and limits.
-    pub streaming: StreamingConfig,
+    /// The gRPC edge: listener, multi-rank mode, profile and limits (flags under "Streaming").
+    pub fanout: FanoutConfig,
     /// TLS and the bearer token, read at validation time, and the files to re-read them from.
     pub security: SecurityConfig,
     /// Metrics, logs and health.

@@ -160,7 +160,7 @@ mod tests {
             Some(Duration::from_millis(DEFAULT_LOAD_INTERVAL_MS))
         );
         assert_eq!(
-            ok.streaming.max_streams_per_connection,
+            ok.fanout.max_streams_per_connection,
             PROXY_MAX_STREAMS_PER_CONNECTION
         );
         let capped = flags(&[
@@ -174,7 +174,7 @@ mod tests {
         .resolve()
         .unwrap();
         assert_eq!(
-            capped.streaming.max_streams_per_connection, 50,
+            capped.fanout.max_streams_per_connection, 50,
             "an explicit limit is kept"
         );
     }

@@ -1,5 +1,5 @@
 //! gRPC streaming: the listener, what is streamed, and how many may subscribe, validated into
-//! the gRPC edge's settings ([`StreamingConfig`]).
+//! the gRPC edge's settings ([`FanoutConfig`]).
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use super::values::parse_addr;
 use super::{invalid, ConfigError, Merge};
 use crate::decode::Profile;
 use crate::fanout::{
-    DpMode, StreamingConfig, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    DpMode, FanoutConfig, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
     DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_HANDSHAKE_TIMEOUT_MS,
 };
 
@@ -54,7 +54,7 @@ concern! {
 }
 
 impl StreamingArgs {
-    pub(super) fn validate(self) -> Result<StreamingConfig, ConfigError> {
+    pub(super) fn validate(self) -> Result<FanoutConfig, ConfigError> {
         let grpc_text = self.grpc.unwrap_or_else(|| DEFAULT_GRPC.to_string());
         let grpc =
             parse_addr(&grpc_text).map_err(|e| invalid(format!("--grpc {grpc_text:?}: {e}")))?;
@@ -75,7 +75,7 @@ impl StreamingArgs {
                 "--handshake-timeout-ms {handshake_timeout_ms}: must be between 1 and {MAX_HANDSHAKE_TIMEOUT_MS}"
             )));
         }
-        Ok(StreamingConfig {
+        Ok(FanoutConfig {
             grpc,
             dp_mode: self.dp_mode.unwrap_or_default(),
             send_dp_rank: self.send_dp_rank,

@@ -56,9 +56,9 @@ pub(super) fn args(zmq: &[&str]) -> ServeArgs {
 #[test]
 fn defaults_and_ranks() {
     let c = args(&["tcp://*:5557", "tcp://*:5558"]).resolve().unwrap();
-    assert_eq!(c.streaming.grpc.to_string(), DEFAULT_GRPC);
+    assert_eq!(c.fanout.grpc.to_string(), DEFAULT_GRPC);
     assert_eq!(
-        c.ring.ring_path(c.streaming.grpc.port()),
+        c.ring.ring_path(c.fanout.grpc.port()),
         PathBuf::from("/dev/shm/kvbridge-50061")
     );
     assert_eq!(c.ops.metrics, Some("127.0.0.1:51061".parse().unwrap()));
@@ -122,11 +122,11 @@ fn toml_file_and_flags_win() {
     };
     let c = a.resolve().unwrap();
     assert_eq!(c.ingest.ranks[0].endpoint, "tcp://127.0.0.1:6000");
-    assert_eq!(c.streaming.grpc.port(), 7000);
+    assert_eq!(c.fanout.grpc.port(), 7000);
     assert_eq!(c.ring.size, 2 << 20);
     assert_eq!(c.ingest.topic, "kv");
     a.streaming.grpc = Some("127.0.0.1:7001".into());
-    assert_eq!(a.resolve().unwrap().streaming.grpc.port(), 7001);
+    assert_eq!(a.resolve().unwrap().fanout.grpc.port(), 7001);
     std::fs::write(&p, "bogus-key = 1\n").unwrap();
     assert!(a.resolve().unwrap_err().to_string().contains("bogus-key"));
 }
@@ -196,7 +196,7 @@ fn ops_settings_from_toml_and_flags() {
     };
     let c = a.resolve().unwrap();
     assert_eq!(c.ops.health_grace, Duration::from_millis(250));
-    assert_eq!(c.streaming.max_streams_per_connection, 512);
+    assert_eq!(c.fanout.max_streams_per_connection, 512);
     assert_eq!(c.security.auth_token.as_deref(), Some("abc.DEF-123"));
     assert!(c.security.tls.is_some());
     assert!(
@@ -218,11 +218,11 @@ fn ops_settings_from_toml_and_flags() {
             DEFAULT_HEALTH_GRACE_MS
         );
         assert_eq!(
-            c.streaming.max_streams_per_connection,
+            c.fanout.max_streams_per_connection,
             DEFAULT_MAX_STREAMS_PER_CONNECTION
         );
         assert_eq!(
-            c.streaming.handshake_timeout,
+            c.fanout.handshake_timeout,
             Duration::from_millis(DEFAULT_HANDSHAKE_TIMEOUT_MS)
         );
         assert_eq!(c.ingest.max_engine_message, DEFAULT_MAX_ENGINE_MESSAGE);

@@ -36,7 +36,7 @@ pub enum DpMode {
 
 /// The validated streaming settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StreamingConfig {
+pub struct FanoutConfig {
     /// gRPC listen address.
     pub grpc: SocketAddr,
     /// Multi-rank mode.

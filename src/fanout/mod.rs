@@ -35,7 +35,7 @@ use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
 pub use config::{
-    DpMode, StreamingConfig, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    DpMode, FanoutConfig, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
     DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_HANDSHAKE_TIMEOUT_MS,
 };
 pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};

@@ -21,8 +21,14 @@
 //!
 //! Ports follow the engines' rule (docs/engine-wire.md §2.2): rank r binds PORT + r.
 
+mod config;
+mod metrics;
 mod replay;
 pub mod wire;
+
+pub use config::{PublishZmqConfig, TcpEndpoint, DEFAULT_PUB_HWM, MAX_PUB_HWM};
+use metrics::ClearCause;
+pub(crate) use metrics::ZmqMetrics;
 
 pub use replay::{MAX_ACTIVE, MAX_QUEUED, MAX_SNAPSHOTS, REPLY_BYTES_IN_FLIGHT};
 
@@ -31,115 +37,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbridge_shm::{ReadOutcome, SeekError};
-use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 use prost::Message;
 use thiserror::Error;
 
 use crate::metrics::Metrics;
 use crate::proto::common::KvEventBatch;
-use crate::ring::RingHub;
+use crate::ring::{RingHub, RingSet};
 use crate::snapshot::RingTable;
 pub use wire::WireLayout;
-
-/// `--publish-zmq` and its companions, validated.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PublishZmqConfig {
-    /// The PUB endpoint of rank 0; rank r binds port + r.
-    pub publish: TcpEndpoint,
-    /// The replay ROUTER endpoint of rank 0, if replay is served.
-    pub replay: Option<TcpEndpoint>,
-    /// Topic frame; `None`: the engine's own topic (`--topic` / `--kv-events-config`).
-    pub topic: Option<String>,
-    /// Event encoding.
-    pub layout: WireLayout,
-    /// Send high-water mark of each PUB connection, in messages (`--publish-zmq-hwm`).
-    pub hwm: u32,
-}
-
-/// Default `--publish-zmq-hwm`: messages queued per subscriber connection before the PUB drops
-/// that subscriber's messages. The engines queue 100,000; kvbridge queues as many as the engines
-/// keep for replay (their `buffer_steps`, 10,000), because a subscriber further behind than that
-/// recovers by seq gap and replay from kvbridge's ring, and a subscriber that never reads then
-/// makes kvbridge hold a tenth of what it would at the engine's mark.
-pub const DEFAULT_PUB_HWM: u32 = 10_000;
-/// Largest `--publish-zmq-hwm` (libzmq takes an `int`; the engines' own mark is 100,000).
-pub const MAX_PUB_HWM: u32 = 10_000_000;
-
-/// A `tcp://HOST:PORT` endpoint to bind (HOST may be `*`, an address or `[v6]`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TcpEndpoint {
-    /// Host part as given.
-    pub host: String,
-    /// Port of rank 0 (0: an ephemeral port for every rank).
-    pub port: u16,
-}
-
-impl TcpEndpoint {
-    /// Parses `tcp://HOST:PORT`; the error is one line naming `flag`.
-    pub fn parse(flag: &str, s: &str) -> Result<TcpEndpoint, String> {
-        let rest = s.strip_prefix("tcp://").ok_or_else(|| {
-            format!(
-                "--{flag} {s:?}: must be tcp://HOST:PORT (kvbridge binds it, rank r on PORT + r)"
-            )
-        })?;
-        let (host, port) = rest
-            .rsplit_once(':')
-            .ok_or_else(|| format!("--{flag} {s:?}: no port (tcp://HOST:PORT)"))?;
-        let port: u16 = port
-            .parse()
-            .map_err(|_| format!("--{flag} {s:?}: the port must be a number from 0 to 65535"))?;
-        if host.is_empty() {
-            return Err(format!(
-                "--{flag} {s:?}: no host (use * or 0.0.0.0 for every interface)"
-            ));
-        }
-        Ok(TcpEndpoint {
-            host: host.to_string(),
-            port,
-        })
-    }
-
-    /// The endpoint rank `rank` binds (port 0 stays ephemeral).
-    fn for_rank(&self, rank: u32) -> String {
-        if self.port == 0 {
-            format!("tcp://{}:*", self.host)
-        } else {
-            format!("tcp://{}:{}", self.host, u32::from(self.port) + rank)
-        }
-    }
-}
-
-impl PublishZmqConfig {
-    /// Checks the ports of `ranks` ranks: every one fits, and no rank's PUB port is another
-    /// rank's replay port (the clash the engines' own PORT + 1 replay default invites).
-    pub fn check_ranks(&self, ranks: u32) -> Result<(), String> {
-        let last = ranks.saturating_sub(1);
-        let fits = |flag: &str, e: &TcpEndpoint| {
-            if e.port != 0 && u32::from(e.port) + last > 65535 {
-                Err(format!(
-                    "--{flag}: port {} + rank {last} is beyond 65535",
-                    e.port
-                ))
-            } else {
-                Ok(())
-            }
-        };
-        fits("publish-zmq", &self.publish)?;
-        if let Some(r) = &self.replay {
-            fits("publish-zmq-replay", r)?;
-            let (p, q) = (u32::from(self.publish.port), u32::from(r.port));
-            if p != 0 && q != 0 && p.max(q) - p.min(q) < ranks && self.publish.host == r.host {
-                return Err(format!(
-                    "--publish-zmq port {p} and --publish-zmq-replay port {q}: with {ranks} rank(s) \
-                     the ranges {p}..{} and {q}..{} overlap; keep them {ranks} or more apart",
-                    p + last,
-                    q + last
-                ));
-            }
-        }
-        Ok(())
-    }
-}
 
 /// Starting the edge failed (a port taken, an endpoint ZMQ refuses): one line.
 #[derive(Debug, Error)]
@@ -148,124 +53,6 @@ pub struct PublishZmqError {
     flag: &'static str,
     endpoint: String,
     why: String,
-}
-
-/// The edge's metrics, registered in the process registry.
-#[derive(Clone)]
-pub(crate) struct ZmqMetrics {
-    published: IntCounterVec,
-    published_bytes: IntCounterVec,
-    cleared: IntCounterVec,
-    replay_requests: IntCounterVec,
-    snapshot_replays: IntCounterVec,
-    replay_bytes: IntCounterVec,
-    replays_active: IntGaugeVec,
-    replays_queued: IntGaugeVec,
-}
-
-impl ZmqMetrics {
-    fn new(m: &Metrics) -> Self {
-        let r = &m.registry;
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            let _ = r.register(Box::new(c.clone()));
-            c
-        };
-        let gauge = |name: &str, help: &str| {
-            let g = IntGaugeVec::new(Opts::new(name, help), &["rank"]).expect("valid metric");
-            let _ = r.register(Box::new(g.clone()));
-            g
-        };
-        ZmqMetrics {
-            published: counter(
-                "zmq_published_total",
-                "Batches published on the engine ZMQ wire (one per ring record)",
-                &["rank"],
-            ),
-            published_bytes: counter(
-                "zmq_published_bytes_total",
-                "Payload bytes published on the engine ZMQ wire",
-                &["rank"],
-            ),
-            cleared: counter(
-                "zmq_cleared_total",
-                "AllBlocksCleared batches the ZMQ edge published for records it could not read from the ring",
-                &["rank", "cause"],
-            ),
-            replay_requests: counter(
-                "zmq_replay_requests_total",
-                "Replay requests by outcome: window (start..newest from the ring), state (snapshot or clear, then the ring), future (end marker only), incomplete (peer gone or ring lapped mid-replay), stalled (the peer read nothing for 10 s), malformed and busy (dropped unanswered)",
-                &["rank", "outcome"],
-            ),
-            snapshot_replays: counter(
-                "zmq_snapshot_replays_total",
-                "Replays that began with the rank's live block table (snapshot)",
-                &["rank"],
-            ),
-            replay_bytes: counter(
-                "zmq_replay_bytes_total",
-                "Payload bytes sent in replay replies",
-                &["rank"],
-            ),
-            replays_active: gauge("zmq_replays_active", "Replays being sent"),
-            replays_queued: gauge(
-                "zmq_replays_queued",
-                "Replay requests waiting for a free replay slot",
-            ),
-        }
-    }
-}
-
-/// Why the live publisher sent an `AllBlocksCleared` in place of ring records (the `cause` of
-/// `kvbridge_zmq_cleared_total`).
-#[derive(Clone, Copy, Debug)]
-enum ClearCause {
-    RingLapped,
-    Corrupt,
-    RingReplaced,
-    Undecodable,
-}
-
-impl ClearCause {
-    const ALL: [ClearCause; 4] = [
-        ClearCause::RingLapped,
-        ClearCause::Corrupt,
-        ClearCause::RingReplaced,
-        ClearCause::Undecodable,
-    ];
-
-    fn label(self) -> &'static str {
-        match self {
-            ClearCause::RingLapped => "ring_lapped",
-            ClearCause::Corrupt => "corrupt",
-            ClearCause::RingReplaced => "ring_replaced",
-            ClearCause::Undecodable => "undecodable",
-        }
-    }
-}
-
-impl ZmqMetrics {
-    /// Creates every series of rank `rank` at zero, so that a dashboard shows the edge before its
-    /// first event and an alert's `increase()` counts the first clear or refused replay (a series
-    /// that appears at 1 has no earlier sample to increase from).
-    fn init_rank(&self, rank: u32, replay: bool) {
-        let r = rank.to_string();
-        self.published.with_label_values(&[&r]);
-        self.published_bytes.with_label_values(&[&r]);
-        for cause in ClearCause::ALL {
-            self.cleared.with_label_values(&[&r, cause.label()]);
-        }
-        if replay {
-            for outcome in replay::Outcome::ALL {
-                self.replay_requests
-                    .with_label_values(&[&r, outcome.label()]);
-            }
-            self.snapshot_replays.with_label_values(&[&r]);
-            self.replay_bytes.with_label_values(&[&r]);
-            self.replays_active.with_label_values(&[&r]);
-            self.replays_queued.with_label_values(&[&r]);
-        }
-    }
 }
 
 /// What one rank's edge reads.
@@ -314,10 +101,49 @@ fn bind(
     Ok((s, bound))
 }
 
+impl RankSource {
+    /// What each rank's edge reads of `rings`: rank r's own ring and table (`tables` holds the
+    /// merged ring's first, then rank r's at r + 1), or the merged ring and its table when
+    /// there is one rank and no rank rings.
+    pub fn of(rings: &RingSet, tables: &[Arc<RingTable>]) -> Vec<RankSource> {
+        if rings.rank_hubs.is_empty() {
+            let rank = rings.ingest_ranks.first().copied().unwrap_or(0);
+            return vec![RankSource {
+                rank,
+                hub: rings.merged.clone(),
+                table: tables.first().cloned(),
+            }];
+        }
+        rings
+            .rank_hubs
+            .iter()
+            .zip(&rings.ingest_ranks)
+            .enumerate()
+            .map(|(i, (hub, &rank))| RankSource {
+                rank,
+                hub: hub.clone(),
+                table: tables.get(i + 1).cloned(),
+            })
+            .collect()
+    }
+}
+
 impl ZmqPublisher {
+    /// Starts the edge on `rings` (with their snapshot tables, the merged ring's first; empty
+    /// with `--snapshot off`): see [`start_on`](Self::start_on).
+    pub fn start(
+        cfg: &PublishZmqConfig,
+        engine_topic: &str,
+        rings: &RingSet,
+        tables: &[Arc<RingTable>],
+        metrics: &Metrics,
+    ) -> Result<ZmqPublisher, PublishZmqError> {
+        Self::start_on(cfg, engine_topic, RankSource::of(rings, tables), metrics)
+    }
+
     /// Binds every rank's sockets (an error before anything runs) and starts the threads.
     /// `engine_topic` is the topic used unless `--publish-zmq-topic` is given.
-    pub fn start(
+    pub fn start_on(
         cfg: &PublishZmqConfig,
         engine_topic: &str,
         ranks: Vec<RankSource>,

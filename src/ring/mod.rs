@@ -18,6 +18,7 @@ mod cache;
 mod config;
 mod files;
 mod gauges;
+mod set;
 mod source;
 
 use std::path::Path;
@@ -42,6 +43,7 @@ pub use config::{
 pub use files::{remove_tmps_of, tmp_of, RingFiles};
 pub use gauges::spawn_heartbeat;
 use gauges::RingMetrics;
+pub use set::RingSet;
 pub use source::{
     ClearCause, EventVisitor, RecordHeader, RecordSource, StoredEvent, FLAG_SYNTHESIZED,
 };

@@ -49,7 +49,7 @@ use prometheus::{
 use thiserror::Error;
 
 use crate::metrics::Metrics;
-use crate::ring::RingHub;
+use crate::ring::{RingHub, RingSet};
 
 /// Header: the record's kvbridge sequence number (`KvEventBatch.sequence_number`).
 pub const HEADER_SEQ: &str = "Kvbridge-Seq";
@@ -495,20 +495,21 @@ async fn set_up(cfg: &NatsConfig, worker: &str, sm: &SinkMetrics) -> Result<Read
 }
 
 impl Sink {
-    /// Starts the sink. `rings` pairs each ring with its subject's last token (`merged`, or the
-    /// rank number). With `cfg.required` it first connects and creates or checks the stream, and
-    /// returns the error if that fails; otherwise it returns at once and all of that happens in
+    /// Starts the sink on `rings`; each ring's subject ends in its [`RingSet::named`] token
+    /// (`merged`, or the rank number). The service sets `cfg.worker_id` when the flag is not
+    /// given ([`default_worker_id`] of the bound gRPC port). With `cfg.required` it first
+    /// connects and creates or checks the stream, and returns the error if that fails; otherwise it returns at once and all of that happens in
     /// the background, retried with a capped backoff, logged once per change of state.
     pub async fn start(
         cfg: &NatsConfig,
-        grpc_port: u16,
-        rings: Vec<(String, Arc<RingHub>)>,
+        rings: &RingSet,
         metrics: &Metrics,
     ) -> Result<Sink, SinkError> {
+        let rings = rings.named();
         let worker = cfg
             .worker_id
             .clone()
-            .unwrap_or_else(|| default_worker_id(grpc_port));
+            .unwrap_or_else(|| default_worker_id(0));
         let sm = SinkMetrics::new(metrics);
         sm.connected.set(0);
         let ready = if cfg.required {

@@ -28,7 +28,9 @@
 //! still holds); a missing, damaged or too old checkpoint gives a table rebuilt from the ring
 //! alone, marked incomplete (`unknown_before = 1`) until the next clear.
 
+mod config;
 mod image;
+mod metrics;
 mod pending;
 mod persist;
 mod schedule;
@@ -43,207 +45,19 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use prometheus::{
-    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts,
-};
 
 use crate::metrics::Metrics;
-use crate::ring::{PublishHook, RecordSource, RingHub};
+use crate::ring::{PublishHook, RecordSource, RingHub, RingSet};
 use kvbridge_shm::RecordMeta;
 use schedule::{OnDisk, Schedule};
 
+pub use config::{SnapshotConfig, SnapshotMode, DEFAULT_MAX_BLOCKS};
+use metrics::CheckpointGauges;
+pub use metrics::SnapshotMetrics;
 pub use persist::{checkpoint_path, read_checkpoint, CheckpointError, Restored};
 pub use schedule::DEFAULT_CHECKPOINT_INTERVAL;
 pub use serve::{Chunks, CHUNK_MAX, CHUNK_MIN};
 pub use table::{Table, COPIES_CAP};
-
-/// When a subscriber starting from 0 gets a snapshot (`--snapshot`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum SnapshotMode {
-    /// When the ring no longer reaches back to the last clear and the client set request
-    /// field 2 (`load_records_before_first_batch`: it takes snapshot chunks; G2 gateways do).
-    #[default]
-    Auto,
-    /// Every subscriber starting from 0, whatever the ring holds (operator's choice: G1 clients
-    /// that disconnect mid-snapshot resume from a partial state).
-    On,
-    /// Never: the retained window, as without a table (no table is kept).
-    Off,
-}
-
-/// Default `--snapshot-max-blocks`.
-pub const DEFAULT_MAX_BLOCKS: usize = 4_000_000;
-
-/// Snapshot settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SnapshotConfig {
-    /// When snapshots are served.
-    pub mode: SnapshotMode,
-    /// Most blocks a table holds; beyond, snapshots are marked incomplete.
-    pub max_blocks: usize,
-    /// Largest snapshot chunk in bytes (below gRPC's 4 MiB default).
-    pub chunk_bytes: usize,
-    /// Least time between two checkpoints not forced by the ring lapping the last one's cut
-    /// (`--checkpoint-interval`).
-    pub checkpoint_interval: Duration,
-}
-
-impl Default for SnapshotConfig {
-    fn default() -> Self {
-        SnapshotConfig {
-            mode: SnapshotMode::Auto,
-            max_blocks: DEFAULT_MAX_BLOCKS,
-            chunk_bytes: CHUNK_MAX,
-            checkpoint_interval: DEFAULT_CHECKPOINT_INTERVAL,
-        }
-    }
-}
-
-/// Snapshot metrics (registered once per process).
-pub struct SnapshotMetrics {
-    blocks: IntGaugeVec,
-    bytes: IntGaugeVec,
-    unknown: IntGaugeVec,
-    served: IntCounterVec,
-    chunks: IntCounterVec,
-    seconds: HistogramVec,
-    checkpoints: IntCounterVec,
-    checkpoint_bytes: IntCounterVec,
-    checkpoint_errors: IntCounterVec,
-    checkpoint_lapped: IntCounterVec,
-    checkpoint_seconds: HistogramVec,
-    checkpoint_age: GaugeVec,
-    checkpoint_margin: IntGaugeVec,
-    write_rate: GaugeVec,
-}
-
-impl SnapshotMetrics {
-    /// Registers the snapshot metrics on `m`'s registry.
-    pub fn new(m: &Metrics) -> Arc<Self> {
-        let reg = &m.registry;
-        let gauge = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            let _ = reg.register(Box::new(g.clone()));
-            g
-        };
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            let _ = reg.register(Box::new(c.clone()));
-            c
-        };
-        let fgauge = |name: &str, help: &str| {
-            let g = GaugeVec::new(Opts::new(name, help), &["ring"]).expect("valid metric");
-            let _ = reg.register(Box::new(g.clone()));
-            g
-        };
-        let histogram = |name: &str, help: &str| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help)
-                    .buckets(vec![0.0005, 0.002, 0.01, 0.05, 0.2, 1.0, 5.0]),
-                &["ring"],
-            )
-            .expect("valid metric");
-            let _ = reg.register(Box::new(h.clone()));
-            h
-        };
-        Arc::new(SnapshotMetrics {
-            blocks: gauge(
-                "snapshot_table_blocks",
-                "blocks held by the snapshot table, per ring and rank",
-                &["ring", "rank"],
-            ),
-            bytes: gauge(
-                "snapshot_table_bytes",
-                "bytes held by the snapshot table, per ring",
-                &["ring"],
-            ),
-            unknown: gauge(
-                "snapshot_table_unknown",
-                "events the table could not follow since the last clear (0 = complete)",
-                &["ring"],
-            ),
-            served: counter(
-                "snapshots_served_total",
-                "snapshots served, per ring and completeness",
-                &["ring", "complete"],
-            ),
-            chunks: counter(
-                "snapshot_chunks_total",
-                "snapshot chunks served, per ring",
-                &["ring"],
-            ),
-            seconds: histogram(
-                "snapshot_serve_seconds",
-                "time to build a snapshot (image copy under the lock + chunk encoding)",
-            ),
-            checkpoints: counter(
-                "snapshot_checkpoints_total",
-                "checkpoints written, per ring and reason (start, lap, interval, shutdown)",
-                &["ring", "reason"],
-            ),
-            checkpoint_bytes: counter(
-                "snapshot_checkpoint_bytes_total",
-                "bytes of checkpoint files written, per ring",
-                &["ring"],
-            ),
-            checkpoint_errors: counter(
-                "snapshot_checkpoint_errors_total",
-                "checkpoints that could not be written, per ring",
-                &["ring"],
-            ),
-            checkpoint_lapped: counter(
-                "snapshot_checkpoint_lapped_total",
-                "times the ring lapped the checkpoint's cut (a restart then rebuilds the table incomplete)",
-                &["ring"],
-            ),
-            checkpoint_seconds: histogram(
-                "snapshot_checkpoint_seconds",
-                "time to write a checkpoint (image copy + file write + rename)",
-            ),
-            checkpoint_age: fgauge(
-                "snapshot_checkpoint_age_seconds",
-                "age of the checkpoint on disk (since its image was taken)",
-            ),
-            checkpoint_margin: gauge(
-                "snapshot_checkpoint_margin_bytes",
-                "bytes the ring can still write before it laps the checkpoint's cut (negative: lapped)",
-                &["ring"],
-            ),
-            write_rate: fgauge(
-                "snapshot_ring_write_rate_bytes",
-                "ring write rate the checkpoint margin is sized from (bytes/s, a decaying peak)",
-            ),
-        })
-    }
-}
-
-/// One ring's checkpoint metrics, resolved once.
-struct CheckpointGauges {
-    bytes: IntCounter,
-    errors: IntCounter,
-    lapped: IntCounter,
-    seconds: Histogram,
-    age: Gauge,
-    margin: IntGauge,
-    rate: Gauge,
-}
-
-impl CheckpointGauges {
-    fn new(m: &SnapshotMetrics, label: &str) -> Self {
-        let l = [label];
-        CheckpointGauges {
-            bytes: m.checkpoint_bytes.with_label_values(&l),
-            errors: m.checkpoint_errors.with_label_values(&l),
-            lapped: m.checkpoint_lapped.with_label_values(&l),
-            seconds: m.checkpoint_seconds.with_label_values(&l),
-            age: m.checkpoint_age.with_label_values(&l),
-            margin: m.checkpoint_margin.with_label_values(&l),
-            rate: m.write_rate.with_label_values(&l),
-        }
-    }
-}
 
 /// The checkpoint thread's state of one table.
 struct Checkpointing {
@@ -678,11 +492,82 @@ fn file_time(path: &Path) -> Instant {
         .unwrap_or(now)
 }
 
+/// The running snapshot edge: one table per ring, and the thread that checkpoints them.
+pub struct SnapshotEdge {
+    tables: Vec<Arc<RingTable>>,
+    checkpointer: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+}
+
+/// Starts the edge for `rings`: one table per ring (none with `--snapshot off`), each restored
+/// from its checkpoint and installed as its ring's publish hook, and the checkpoint thread.
+/// Call before anything publishes, so that the tables see every record.
+pub fn start(cfg: &SnapshotConfig, rings: &RingSet, metrics: &Metrics) -> SnapshotEdge {
+    if cfg.mode == SnapshotMode::Off {
+        return SnapshotEdge {
+            tables: Vec::new(),
+            checkpointer: None,
+        };
+    }
+    let m = SnapshotMetrics::new(metrics);
+    let merged = RingTable::attach(
+        &rings.merged,
+        rings.path(),
+        rings.recovered.adopted,
+        None,
+        &rings.ingest_ranks,
+        cfg,
+        m.clone(),
+    );
+    let mut tables = vec![merged];
+    for (r, hub) in rings.rank_hubs.iter().enumerate() {
+        let rank = r as u32;
+        let adopted = rings.rank_adopted.get(r).copied().unwrap_or(false);
+        let files = rings.rank_files(rank);
+        tables.push(RingTable::attach(
+            hub,
+            files.path(),
+            adopted,
+            Some(rank as i32),
+            &[rank],
+            cfg,
+            m.clone(),
+        ));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = spawn_checkpointer(tables.clone(), stop.clone());
+    SnapshotEdge {
+        tables,
+        checkpointer: Some((stop, thread)),
+    }
+}
+
+impl SnapshotEdge {
+    /// The tables, the merged ring's first.
+    pub fn tables(&self) -> &[Arc<RingTable>] {
+        &self.tables
+    }
+
+    /// The snapshots served in `mode` from these tables.
+    pub fn snapshots(&self, mode: SnapshotMode) -> Snapshots {
+        Snapshots::new(mode, self.tables.clone())
+    }
+
+    /// Stops the checkpoint thread after it wrote a last checkpoint of every table that changed.
+    /// Call after ingest stopped, so that the last checkpoint holds everything ingested.
+    pub fn shutdown(self) {
+        if let Some((stop, thread)) = self.checkpointer {
+            stop.store(true, Ordering::SeqCst);
+            thread.thread().unpark();
+            let _ = thread.join();
+        }
+    }
+}
+
 /// Writes each table's checkpoint when it is due (`schedule.rs`: before the ring laps the last
 /// one's cut, at most every `--checkpoint-interval` otherwise, never when nothing changed) and
 /// refreshes the gauges; at `stop` (unpark the thread after setting it) writes a last checkpoint
 /// of each table that changed.
-pub fn spawn_checkpointer(
+fn spawn_checkpointer(
     tables: Vec<Arc<RingTable>>,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {

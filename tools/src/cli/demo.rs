@@ -111,7 +111,7 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
     args.ring.ring_size = Some(ByteSize::Bytes(64 << 20));
     args.ops.metrics = Some("127.0.0.1:0".into());
     let cfg = args.resolve().map_err(|e| CliError::Setup(e.to_string()))?;
-    let service = kvbridge::cli::run_service(&cfg).await?;
+    let service = kvbridge::service::run_service(&cfg).await?;
     let grpc = service.grpc_addr;
     // Sequence numbers on screen count from the ring's first record of this run (its base is a 16-digit
     // number, the Unix µs at which it was created).
