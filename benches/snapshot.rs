@@ -109,9 +109,14 @@ fn bench_publish(c: &mut Criterion) {
         seq_base: Some(1),
         group_read: false,
     };
-    let plain = RingHub::open("plain", &tabled.dir().join("plain"), &opts, &tabled.metrics)
-        .expect("ring")
-        .0;
+    let plain = RingHub::open(
+        "plain",
+        &tabled.dir().join("plain"),
+        &opts,
+        &tabled.ring_metrics,
+    )
+    .expect("ring")
+    .0;
     let tabled = &tabled.hub;
     let mut dec = Decoder::new(DecodeConfig::default());
     let mut g = c.benchmark_group("publish");

@@ -212,13 +212,32 @@ impl UpstreamState {
     }
 }
 
+/// Health's series.
+#[derive(Clone)]
+pub struct HealthMetrics {
+    /// Health status served on grpc.health.v1 (1 SERVING, 0 NOT_SERVING).
+    pub serving: prometheus::IntGauge,
+}
+
+impl HealthMetrics {
+    /// Registers health's series on `m`'s registry.
+    pub fn new(m: &Metrics) -> Self {
+        HealthMetrics {
+            serving: m.gauge(
+                "health_serving",
+                "grpc.health.v1 status: 1 SERVING, 0 NOT_SERVING",
+            ),
+        }
+    }
+}
+
 /// Keeps `reporter` in line with `state` (checked every 100 ms) until the task is aborted.
 pub async fn run_reporter(
     reporter: HealthReporter,
     state: Arc<UpstreamState>,
     grace: Duration,
     services: Vec<&'static str>,
-    metrics: Arc<Metrics>,
+    serving_gauge: HealthMetrics,
 ) {
     let mut last: Option<bool> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -245,7 +264,7 @@ pub async fn run_reporter(
         for s in &services {
             reporter.set_service_status(*s, status).await;
         }
-        metrics.health_serving.set(serving as i64);
+        serving_gauge.serving.set(serving as i64);
         last = Some(serving);
     }
 }

@@ -19,6 +19,7 @@
 
 mod config;
 mod load;
+mod metrics;
 mod service;
 
 pub(crate) use service::{CLIENT_KEEPALIVE_INTERVAL, CLIENT_KEEPALIVE_TIMEOUT};
@@ -31,7 +32,6 @@ use bytes::{Buf, BufMut, Bytes};
 use kvbridge_shm::{ReadOutcome, RingReader, SeekError};
 use tonic::Status;
 
-use crate::metrics::Metrics;
 use crate::ring::RingHub;
 
 pub use config::{
@@ -39,6 +39,7 @@ pub use config::{
     DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_HANDSHAKE_TIMEOUT_MS,
 };
 pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
+pub use metrics::FanoutMetrics;
 pub use service::{edge, service_names, Edge, EdgeOptions, EdgeParts};
 
 /// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
@@ -96,8 +97,8 @@ pub struct Fanout {
     pub merged: Arc<RingHub>,
     /// Per-rank rings (metadata mode), indexed by rank.
     pub ranks: Vec<Arc<RingHub>>,
-    /// Metrics.
-    pub metrics: Arc<Metrics>,
+    /// The edge's series (registered once, every label value at 0: [`FanoutMetrics::new`]).
+    pub metrics: Arc<FanoutMetrics>,
     /// Subscriber limit.
     pub max_subscribers: usize,
     active: AtomicUsize,
@@ -126,20 +127,10 @@ impl Fanout {
     pub fn new(
         merged: Arc<RingHub>,
         ranks: Vec<Arc<RingHub>>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<FanoutMetrics>,
         max_subscribers: usize,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Self {
-        // Every series of this edge at 0 from the start, so that a dashboard shows 0 and a
-        // rate is defined before the first subscriber (the label values are all known).
-        for s in crate::proto::ENGINE_SERVICES {
-            metrics.subscribers.with_label_values(&[s.path]);
-            metrics.send_latency.with_label_values(&[s.path]);
-            metrics.catchup_sends.with_label_values(&[s.path]);
-        }
-        for outcome in SUBSCRIBE_OUTCOMES {
-            metrics.resumes.with_label_values(&[outcome]);
-        }
         Fanout {
             merged,
             ranks,
@@ -380,7 +371,7 @@ pub struct Subscription {
     shutdown: tokio::sync::watch::Receiver<bool>,
     done: bool,
     last_ingest_ns: u64,
-    metrics: Arc<Metrics>,
+    metrics: Arc<FanoutMetrics>,
     /// Snapshot chunks still to send, last first.
     pending: Vec<Bytes>,
     _guard: ActiveGuard,
@@ -483,9 +474,7 @@ impl Subscription {
 
     fn lapped(&self, oldest: u64) -> Status {
         let m = &self.metrics;
-        m.ring_reader_laps
-            .with_label_values(&[self.hub.label()])
-            .inc();
+        self.hub.count_reader_lap();
         m.slow_disconnects.with_label_values(&[self.path]).inc();
         let last = self.next - 1;
         let missed = oldest.saturating_sub(self.next);
@@ -497,10 +486,7 @@ impl Subscription {
     /// Record `seq` failed its checksum in the ring: never served, and never skipped silently.
     fn corrupt(&self, seq: u64) -> Status {
         self.hub.note_corrupt(seq);
-        self.metrics
-            .ring_corrupt_records
-            .with_label_values(&[self.hub.label()])
-            .inc();
+        self.hub.count_corrupt_read();
         tracing::error!(ring = self.hub.label(), seq, path = self.path,
             "corrupt record in the ring (checksum mismatch or damaged header): ending the subscriber with DATA_LOSS");
         Status::data_loss(format!(

@@ -163,7 +163,7 @@ impl PathHandler {
 /// One open stream: its subscription and the metric handles every delivery updates.
 struct Delivering {
     sub: super::Subscription,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<super::FanoutMetrics>,
     latency: prometheus::Histogram,
     catchup: prometheus::IntCounter,
     /// When the stream opened (Unix ns): records ingested before are catch-up, not live.
@@ -272,7 +272,7 @@ pub struct Edge {
     secrets: Arc<crate::secrets::Secrets>,
     reload: Option<crate::secrets::SecretFiles>,
     handshake_timeout: Duration,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<super::FanoutMetrics>,
 }
 
 /// The gRPC edge serving `SubscribeKvEvents` on all four SMG paths, identically, plus
@@ -357,7 +357,7 @@ pub struct EdgeParts {
     pub max_streams: Option<u32>,
     secrets: Arc<crate::secrets::Secrets>,
     handshake_timeout: Duration,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<super::FanoutMetrics>,
     _watcher: Option<AbortOnDrop>,
 }
 
@@ -431,7 +431,7 @@ fn incoming(
     listener: tokio::net::TcpListener,
     secrets: Arc<crate::secrets::Secrets>,
     handshake_timeout: Duration,
-    metrics: &crate::metrics::Metrics,
+    metrics: &super::FanoutMetrics,
 ) -> impl Stream<Item = crate::net::EdgeIo> + Send {
     use crate::net::{tune, Acceptor, EdgeIo};
     let acceptor = Acceptor::new(listener, "grpc", metrics.accept_errors.clone());

@@ -5,8 +5,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::metrics::RankMetrics;
 use super::RankEndpoint;
-use crate::metrics::RankMetrics;
 
 /// A rank's sockets and settings: what the receive loop and the replay client share.
 pub(super) struct RankIo {

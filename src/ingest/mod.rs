@@ -15,6 +15,7 @@
 
 mod config;
 mod io;
+mod metrics;
 mod rank;
 mod replay;
 mod sink;
@@ -29,13 +30,13 @@ use thiserror::Error;
 
 use crate::decode::{DecodeConfig, Decoder};
 use crate::health::UpstreamState;
-use crate::metrics::Metrics;
 use crate::ring::{Recovered, RingHub};
 pub use config::{
     IngestConfig, RankEndpoint, DEFAULT_MAX_ENGINE_MESSAGE, DEFAULT_REPLAY_TIMEOUT_MS,
     MAX_MAX_ENGINE_MESSAGE, MIN_MAX_ENGINE_MESSAGE,
 };
 use io::RankIo;
+pub use metrics::{IngestMetrics, RankMetrics};
 use rank::RankWorker;
 use sink::RingSink;
 pub use upstream::Resume;
@@ -86,7 +87,7 @@ impl Ingest {
         decode: DecodeConfig,
         targets: Vec<Targets>,
         recovered: &Recovered,
-        metrics: &Arc<Metrics>,
+        metrics: &IngestMetrics,
         upstream: Arc<UpstreamState>,
     ) -> Result<Ingest, IngestError> {
         let ctx = zmq::Context::new();

@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::metrics::RankMetrics;
 use super::upstream::Sink;
 use super::Targets;
 use crate::decode::{parse_group_note, ClearedBatch, Decoder, GroupNote};
 use crate::health::{Degraded, UpstreamState};
-use crate::metrics::RankMetrics;
 use crate::ring::{ClearCause, RingHub};
 
 /// Writer-note kind of a rank's freshness: `[2, cause, rank u16 LE, 0…]`, present only while

@@ -26,7 +26,7 @@
 
 use std::collections::VecDeque;
 
-use crate::metrics::RankMetrics;
+use super::metrics::RankMetrics;
 use crate::ring::ClearCause;
 
 /// The digest kept of an engine batch: CRC-32C of its bytes, never 0 (0 marks "not recorded" in
@@ -505,7 +505,7 @@ impl RankState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::ingest::metrics::IngestMetrics;
 
     #[derive(Default)]
     struct Rec(Vec<String>);
@@ -578,7 +578,11 @@ mod tests {
     /// A state machine resuming after engine seq `last` whose batch was `b"r"` (as the test
     /// engine replays it), or on a new ring.
     fn state(last: Option<u64>) -> RankState {
-        RankState::new(resume(last), Limits::default(), Metrics::new().rank(0))
+        RankState::new(
+            resume(last),
+            Limits::default(),
+            IngestMetrics::for_tests().rank(0),
+        )
     }
 
     fn resume(last: Option<u64>) -> Resume {
@@ -592,8 +596,8 @@ mod tests {
     }
 
     /// A state machine and the registry its counters live in.
-    fn state_with_metrics() -> (RankState, Metrics) {
-        let m = Metrics::new();
+    fn state_with_metrics() -> (RankState, IngestMetrics) {
+        let m = IngestMetrics::for_tests();
         (RankState::new(Resume::New, Limits::default(), m.rank(0)), m)
     }
 
@@ -949,7 +953,7 @@ mod tests {
     #[test]
     fn an_engine_restarted_while_kvbridge_was_down_and_now_past_last_is_a_restart() {
         // The ring's last batch is seq 3; the new incarnation has published 0..=6 since.
-        let m = Metrics::new();
+        let m = IngestMetrics::for_tests();
         let mut st = RankState::new(resume(Some(3)), Limits::default(), m.rank(0));
         let mut sink = Rec::default();
         let mut eng = Engine::restarted(&[0, 1, 2, 3, 4, 5, 6]);
@@ -987,7 +991,7 @@ mod tests {
 
     #[test]
     fn an_engine_that_no_longer_has_last_cannot_be_compared_history_is_missing() {
-        let m = Metrics::new();
+        let m = IngestMetrics::for_tests();
         let mut st = RankState::new(resume(Some(3)), Limits::default(), m.rank(0));
         let mut sink = Rec::default();
         let mut eng = Engine::new(&[5, 6], ReplayEnd::Complete);
@@ -1005,7 +1009,7 @@ mod tests {
         let mut st = RankState::new(
             Resume::Applied { seq: 2, digest: 0 },
             Limits::default(),
-            Metrics::new().rank(0),
+            IngestMetrics::for_tests().rank(0),
         );
         let mut sink = Rec::default();
         let mut eng = Engine::new(&[0, 1, 2, 3], ReplayEnd::Complete);
@@ -1015,12 +1019,20 @@ mod tests {
 
     #[test]
     fn an_adopted_ring_without_the_rank_clears_before_its_first_batch() {
-        let mut st = RankState::new(Resume::Unknown, Limits::default(), Metrics::new().rank(0));
+        let mut st = RankState::new(
+            Resume::Unknown,
+            Limits::default(),
+            IngestMetrics::for_tests().rank(0),
+        );
         let mut sink = Rec::default();
         let mut eng = Engine::new(&[4, 5], ReplayEnd::Complete);
         st.catch_up(&mut sink, &mut eng);
         assert_eq!(sink.0, ["clear:missing_history", "4:r", "5:r"]);
-        let mut st = RankState::new(Resume::Unknown, Limits::default(), Metrics::new().rank(0));
+        let mut st = RankState::new(
+            Resume::Unknown,
+            Limits::default(),
+            IngestMetrics::for_tests().rank(0),
+        );
         let mut sink = Rec::default();
         st.on_live(0, b"a", &mut sink, None);
         st.on_live(1, b"b", &mut sink, None);
@@ -1029,7 +1041,7 @@ mod tests {
 
     #[test]
     fn after_a_reconnect_the_next_batch_in_order_is_checked_first() {
-        let m = Metrics::new();
+        let m = IngestMetrics::for_tests();
         let mut st = RankState::new(Resume::New, Limits::default(), m.rank(0));
         let mut sink = Rec::default();
         for s in 0..=3 {
@@ -1073,7 +1085,7 @@ mod tests {
                 live_buffer: 2,
                 ..Limits::default()
             },
-            Metrics::new().rank(0),
+            IngestMetrics::for_tests().rank(0),
         );
         let mut sink = Rec::default();
         let mut eng = Engine::with_live(&[1, 2], ReplayEnd::Complete, &[4, 5, 6]);

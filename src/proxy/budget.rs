@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::metrics::Metrics;
+use super::ProxyMetrics;
 
 /// HTTP/2 receive window per forwarded stream (the response side): what the engine may send a
 /// stream before kvbridge has passed it on to the client, and so what a client that never reads
@@ -121,7 +121,7 @@ pub(crate) struct Budgets {
     connection: u64,
     /// How long a call that moves nothing keeps its share while others wait.
     pub(crate) stall: Option<Duration>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ProxyMetrics>,
 }
 
 impl Budgets {
@@ -129,7 +129,7 @@ impl Budgets {
         connection: u64,
         total: u64,
         stall: Option<Duration>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<ProxyMetrics>,
     ) -> Self {
         Budgets {
             total: Pool::new(total),
@@ -154,7 +154,7 @@ impl Budgets {
             try_kib /= 2;
         }
         let bytes = window.as_ref().map_or(0, |p| p.num_permits() as u64 * UNIT);
-        self.metrics.proxy.buffer_reserved.add(bytes as i64);
+        self.metrics.buffer_reserved.add(bytes as i64);
         ConnectionBudget {
             streams: Pool::new(self.connection.saturating_sub(want)),
             total: self.total.clone(),
@@ -172,7 +172,7 @@ pub(crate) struct ConnectionBudget {
     /// The request-side window's share of the process budget.
     window: Option<(OwnedSemaphorePermit, u64)>,
     pub(crate) stall: Option<Duration>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ProxyMetrics>,
 }
 
 impl ConnectionBudget {
@@ -194,12 +194,11 @@ impl ConnectionBudget {
         self.streams.note_peak();
         if waited_conn || waited_total {
             self.metrics
-                .proxy
                 .buffer_events
                 .with_label_values(&["waited"])
                 .inc();
         }
-        self.metrics.proxy.buffer_reserved.add(STREAM_SHARE as i64);
+        self.metrics.buffer_reserved.add(STREAM_SHARE as i64);
         Share {
             _permits: (conn, total),
             conn: self.streams.clone(),
@@ -212,7 +211,7 @@ impl ConnectionBudget {
 impl Drop for ConnectionBudget {
     fn drop(&mut self) {
         if let Some((_, bytes)) = &self.window {
-            self.metrics.proxy.buffer_reserved.sub(*bytes as i64);
+            self.metrics.buffer_reserved.sub(*bytes as i64);
         }
         if self.streams.peak.load(Ordering::Relaxed) as u64 * UNIT >= TRIM_AFTER {
             trim_heap();
@@ -225,7 +224,7 @@ pub(crate) struct Share {
     _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
     conn: Arc<Pool>,
     total: Arc<Pool>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ProxyMetrics>,
 }
 
 impl Share {
@@ -237,7 +236,6 @@ impl Share {
     /// Counts a stream reset for moving nothing while others waited.
     pub(crate) fn count_stall_reset(&self) {
         self.metrics
-            .proxy
             .buffer_events
             .with_label_values(&["stall_reset"])
             .inc();
@@ -246,7 +244,7 @@ impl Share {
 
 impl Drop for Share {
     fn drop(&mut self) {
-        self.metrics.proxy.buffer_reserved.sub(STREAM_SHARE as i64);
+        self.metrics.buffer_reserved.sub(STREAM_SHARE as i64);
     }
 }
 
@@ -275,7 +273,7 @@ mod tests {
 
     #[tokio::test]
     async fn shares_wait_for_one_another_and_the_window_shrinks_when_the_process_runs_out() {
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(ProxyMetrics::for_tests());
         // Room for the window (1 MiB) and 7 shares on the connection; 2 MiB in all.
         let b = Budgets::new(8 << 20, 2 << 20, None, metrics.clone());
         let c = b.connection();
@@ -296,11 +294,11 @@ mod tests {
         let c2 = b.connection();
         assert_eq!(c2.window(), HTTP2_INITIAL_WINDOW);
         assert_eq!(
-            metrics.proxy.buffer_reserved.get(),
+            metrics.buffer_reserved.get(),
             (2 << 20) as i64,
             "reserved = everything"
         );
         drop((s, shares, c));
-        assert_eq!(metrics.proxy.buffer_reserved.get(), 0);
+        assert_eq!(metrics.buffer_reserved.get(), 0);
     }
 }

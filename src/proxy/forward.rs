@@ -25,7 +25,7 @@ use tonic::{Code, Status};
 use super::budget::{ConnectionBudget, Share};
 use super::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
 use super::upstream::{Connection, EngineState, Upstream};
-use crate::metrics::Metrics;
+use super::ProxyMetrics;
 
 /// Forwards the client's call `req` to the engine and answers it on `respond`: the engine's
 /// headers, every DATA frame, its trailers; or `UNAVAILABLE` when the engine cannot be reached.
@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 /// the engine side resets the engine's stream).
 pub(crate) async fn forward(
     upstream: &Upstream,
-    metrics: &Arc<Metrics>,
+    metrics: &Arc<ProxyMetrics>,
     budget: &ConnectionBudget,
     req: Request<h2::RecvStream>,
     mut respond: h2::server::SendResponse<Bytes>,
@@ -107,10 +107,7 @@ pub(crate) async fn forward(
     };
     // Until the engine answers, leaving resets the engine's stream: counted on its connection.
     let mut unanswered = Unanswered(Some((lease, upstream.address())));
-    metrics
-        .proxy
-        .overhead
-        .observe(started.elapsed().as_secs_f64());
+    metrics.overhead.observe(started.elapsed().as_secs_f64());
     // The client's messages go up while the engine has not answered yet (client streaming: it
     // answers after the last one).
     let mut request = (!end).then(|| {
@@ -149,7 +146,6 @@ pub(crate) async fn forward(
         }
     };
     metrics
-        .proxy
         .headers_latency
         .observe(started.elapsed().as_secs_f64());
     let (mut parts, body) = resp.into_parts();
@@ -339,7 +335,7 @@ fn head(parts: &http::request::Parts) -> Request<()> {
 
 /// Answers `respond` with `status` alone (trailers-only), counted under `method`.
 fn finish_early(
-    metrics: &Metrics,
+    metrics: &ProxyMetrics,
     method: &str,
     mut respond: h2::server::SendResponse<Bytes>,
     status: Status,
@@ -376,14 +372,14 @@ fn status_of_reset(r: h2::Reason, engine: &str) -> Status {
 
 /// Counts a call once, when it ends (or is dropped: the client went away).
 struct CallRecord {
-    metrics: Arc<Metrics>,
+    metrics: Arc<ProxyMetrics>,
     method: String,
     status: Option<i32>,
 }
 
 impl CallRecord {
-    fn count(metrics: &Metrics, method: &str, code: &str) {
-        metrics.proxy.calls.with_label_values(&[method, code]).inc();
+    fn count(metrics: &ProxyMetrics, method: &str, code: &str) {
+        metrics.calls.with_label_values(&[method, code]).inc();
     }
 
     fn label(&self) -> &'static str {

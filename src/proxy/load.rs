@@ -185,11 +185,7 @@ pub(super) async fn poll(
             {
                 unsupported_until = Some(tokio::time::Instant::now() + UNSUPPORTED_RETRY);
             }
-            s.metrics
-                .proxy
-                .load_polls
-                .with_label_values(&["failed"])
-                .inc();
+            s.metrics.load_polls.with_label_values(&["failed"]).inc();
             if !warned {
                 if let Some(e) = last_err {
                     tracing::warn!(engine = %s.upstream.address(), code = ?e.code(), error = %e.message(),
@@ -206,7 +202,6 @@ pub(super) async fn poll(
             Ok(r) => r,
             Err(e) => {
                 s.metrics
-                    .proxy
                     .load_polls
                     .with_label_values(&["undecodable"])
                     .inc();
@@ -214,7 +209,7 @@ pub(super) async fn poll(
                 continue;
             }
         };
-        s.metrics.proxy.load_polls.with_label_values(&["ok"]).inc();
+        s.metrics.load_polls.with_label_values(&["ok"]).inc();
         sample += 1;
         let many = resp.dp_rank_count > 1 || resp.loads.len() > 1;
         let loads = resp

@@ -37,6 +37,7 @@ mod config;
 mod forward;
 mod h2io;
 mod load;
+mod metrics;
 mod upstream;
 
 use std::collections::HashSet;
@@ -59,8 +60,7 @@ pub use config::{
     MIN_SIDECAR_CONNECTION_BUFFER, PROXY_MAX_STREAMS_PER_CONNECTION,
 };
 use h2io::{Pipe, RecvBody};
-
-use crate::metrics::Metrics;
+pub use metrics::ProxyMetrics;
 
 /// How often the engine is probed for health (`grpc.health.v1` in sidecar mode).
 const PROBE_INTERVAL: Duration = Duration::from_millis(500);
@@ -90,7 +90,7 @@ pub fn is_ours(path: &str) -> bool {
 /// The sidecar's engine side: the connection pool, the health probe and the load poller.
 pub struct Sidecar {
     upstream: upstream::Upstream,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ProxyMetrics>,
     /// What client connections' forwarded streams may make kvbridge hold.
     budgets: budget::Budgets,
     answering: Arc<AtomicBool>,
@@ -136,7 +136,7 @@ impl Sidecar {
     /// Starts the probe (and the `GetLoads` poller unless its interval is 0) against the
     /// engine in `cfg`. Nothing is connected yet; an engine that is down is no start-up error.
     /// Fails only on an unusable `--engine-tls-ca`.
-    pub fn start(cfg: &ProxyConfig, metrics: Arc<Metrics>) -> Result<Arc<Self>, String> {
+    pub fn start(cfg: &ProxyConfig, metrics: Arc<ProxyMetrics>) -> Result<Arc<Self>, String> {
         let upstream =
             upstream::Upstream::new(&cfg.engine, cfg.tls_ca.as_deref(), metrics.clone())?;
         let runtime = ProxyRuntime::start()?;
@@ -367,7 +367,6 @@ impl Sidecar {
                     if let Err(status) = headers.admit(&req) {
                         tracing::warn!(error = %status.message(), "closing a gRPC connection: ENHANCE_YOUR_CALM");
                         self.metrics
-                            .proxy
                             .calls
                             .with_label_values(&[
                                 &method_label(req.uri().path()),
@@ -480,7 +479,7 @@ async fn probe(sidecar: std::sync::Weak<Sidecar>) {
             Err(st) => !matches!(st.code(), Code::Unavailable | Code::DeadlineExceeded),
         };
         s.answering.store(up, Ordering::Release);
-        s.metrics.proxy.engine_up.set(up as i64);
+        s.metrics.engine_up.set(up as i64);
         s.upstream.set_state(match &answer {
             Err(e) if !up => {
                 upstream::EngineState::Down(down_reason(s.upstream.address(), e).into())

@@ -23,7 +23,7 @@ use tonic::Status;
 use super::budget::STREAM_WINDOW;
 use super::h2io::{RecvBody, SettingsWatch, Tap};
 use super::EngineGrpc;
-use crate::metrics::Metrics;
+use super::ProxyMetrics;
 
 /// Connections kept to the engine.
 pub(crate) const POOL_SIZE: usize = 4;
@@ -135,7 +135,7 @@ pub(crate) struct Upstream {
     )>,
     slots: Vec<std::sync::Mutex<Slot>>,
     next: AtomicUsize,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ProxyMetrics>,
     /// The `MAX_CONCURRENT_STREAMS` kvbridge advertises to its own clients, to compare with the
     /// engine's.
     client_limit: Arc<AtomicU32>,
@@ -150,7 +150,7 @@ impl Upstream {
     pub(crate) fn new(
         engine: &EngineGrpc,
         tls_ca: Option<&[u8]>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<ProxyMetrics>,
     ) -> Result<Self, String> {
         let tls = match tls_ca {
             Some(pem) => Some(tls_connector(pem, &engine.host)?),
@@ -282,17 +282,13 @@ impl Upstream {
         let mut slot = self.slots[i].lock().unwrap_or_else(|e| e.into_inner());
         match outcome {
             Ok(c) => {
-                self.metrics.proxy.connects.with_label_values(&["ok"]).inc();
+                self.metrics.connects.with_label_values(&["ok"]).inc();
                 *slot = Slot::Ready(c.clone());
                 tx.send_replace(Some(Ok(c.clone())));
                 Ok(c)
             }
             Err(e) => {
-                self.metrics
-                    .proxy
-                    .connects
-                    .with_label_values(&["failed"])
-                    .inc();
+                self.metrics.connects.with_label_values(&["failed"]).inc();
                 let error: Arc<str> = e.into();
                 *slot = Slot::Failed {
                     until: tokio::time::Instant::now() + CONNECT_BACKOFF,
@@ -353,7 +349,7 @@ impl Upstream {
         .map_err(|_| format!("no HTTP/2 handshake within {CONNECT_TIMEOUT:?}"))?
         .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
         let live = Live {
-            gauge: self.metrics.proxy.connections.clone(),
+            gauge: self.metrics.connections.clone(),
             closed: Arc::new(AtomicBool::new(false)),
         };
         live.gauge.inc();
@@ -361,7 +357,7 @@ impl Upstream {
         let base = self.base.clone();
         let pings = conn.ping_pong();
         let limits = StreamLimits {
-            gauge: self.metrics.proxy.engine_max_streams.clone(),
+            gauge: self.metrics.engine_max_streams.clone(),
             client: self.client_limit.clone(),
             engine: self.base.clone(),
             seen: None,

@@ -8,36 +8,37 @@ use std::time::Duration;
 
 use prometheus::{Gauge, Histogram, IntCounter, IntGauge};
 
-use super::RingHub;
-use crate::metrics::Metrics;
+use super::{RingHub, RingMetrics};
 
 /// Pre-resolved handles for one ring (label = the hub's label), so a commit hashes no labels.
-pub(super) struct RingMetrics {
+pub(super) struct RingGauges {
     pub(super) records: IntCounter,
     pub(super) bytes: IntCounter,
     /// Only the merged ring feeds the record-size histogram (per-rank rings hold copies).
     pub(super) record_size: Option<Histogram>,
+    pub(super) reader_laps: IntCounter,
+    pub(super) corrupt_records: IntCounter,
     oldest: IntGauge,
     newest: IntGauge,
     used: IntGauge,
     fill: Gauge,
 }
 
-impl RingMetrics {
-    pub(super) fn new(m: &Metrics, label: &str, capacity: u64, record_size: bool) -> Self {
+impl RingGauges {
+    pub(super) fn new(m: &RingMetrics, label: &str, capacity: u64, record_size: bool) -> Self {
         let l = [label];
-        m.ring_capacity.with_label_values(&l).set(capacity as i64);
-        // At 0 from the start, so that alerts see the first one (`increase()`).
-        m.ring_reader_laps.with_label_values(&l);
-        m.ring_corrupt_records.with_label_values(&l);
-        RingMetrics {
-            records: m.ring_records.with_label_values(&l),
-            bytes: m.ring_bytes.with_label_values(&l),
+        m.capacity.with_label_values(&l).set(capacity as i64);
+        RingGauges {
+            records: m.records.with_label_values(&l),
+            bytes: m.bytes.with_label_values(&l),
             record_size: record_size.then(|| m.record_size.clone()),
-            oldest: m.ring_oldest.with_label_values(&l),
-            newest: m.ring_newest.with_label_values(&l),
-            used: m.ring_used.with_label_values(&l),
-            fill: m.ring_fill.with_label_values(&l),
+            // At 0 from the start, so that alerts see the first one (`increase()`).
+            reader_laps: m.reader_laps.with_label_values(&l),
+            corrupt_records: m.corrupt_records.with_label_values(&l),
+            oldest: m.oldest.with_label_values(&l),
+            newest: m.newest.with_label_values(&l),
+            used: m.used.with_label_values(&l),
+            fill: m.fill.with_label_values(&l),
         }
     }
 

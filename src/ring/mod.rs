@@ -18,6 +18,7 @@ mod cache;
 mod config;
 mod files;
 mod gauges;
+mod metrics;
 mod set;
 mod source;
 
@@ -34,7 +35,6 @@ use parking_lot::{Mutex, RwLock};
 use prost::Message;
 use thiserror::Error;
 
-use crate::metrics::Metrics;
 use cache::{RecentCache, CACHE_MAX_BYTES};
 pub use config::{
     RingConfig, DEFAULT_RING_SIZE, DEFAULT_SPLIT_THRESHOLD, MAX_RING_SIZE, MAX_SPLIT_THRESHOLD,
@@ -42,7 +42,8 @@ pub use config::{
 };
 pub use files::{remove_tmps_of, tmp_of, RingFiles};
 pub use gauges::spawn_heartbeat;
-use gauges::RingMetrics;
+use gauges::RingGauges;
+pub use metrics::RingMetrics;
 pub use set::RingSet;
 pub use source::{
     ClearCause, EventVisitor, RecordHeader, RecordSource, StoredEvent, FLAG_SYNTHESIZED,
@@ -106,7 +107,7 @@ pub struct RingHub {
     /// is also inside the ring's retained window.
     cache_max_bytes: usize,
     notify: tokio::sync::Notify,
-    metrics: RingMetrics,
+    metrics: RingGauges,
     /// Set when the ring file can no longer be used (truncated under the writer): nothing may
     /// touch its mapping any more.
     failure: std::sync::OnceLock<String>,
@@ -177,7 +178,7 @@ impl RingHub {
         label: &str,
         path: &Path,
         opts: &WriterOptions,
-        metrics: &Metrics,
+        metrics: &RingMetrics,
     ) -> Result<(Arc<Self>, Recovered), RingError> {
         let err = |source| RingError::Open {
             path: path.display().to_string(),
@@ -231,7 +232,7 @@ impl RingHub {
             corrupt_floor: AtomicU64::new(corrupt_floor),
             cache_max_bytes,
             notify: tokio::sync::Notify::new(),
-            metrics: RingMetrics::new(metrics, label, capacity as u64, label == "merged"),
+            metrics: RingGauges::new(metrics, label, capacity as u64, label == "merged"),
             failure: std::sync::OnceLock::new(),
             hook: std::sync::OnceLock::new(),
         });
@@ -381,6 +382,16 @@ impl RingHub {
     /// Oldest retained sequence (O), lock-free.
     pub fn oldest(&self) -> u64 {
         self.oldest.load(Ordering::Acquire)
+    }
+
+    /// Counts an in-process reader (a subscriber) the writer overtook.
+    pub fn count_reader_lap(&self) {
+        self.metrics.reader_laps.inc();
+    }
+
+    /// Counts a record an in-process reader (a subscriber) found corrupt.
+    pub fn count_corrupt_read(&self) {
+        self.metrics.corrupt_records.inc();
     }
 
     /// Notes that record `seq` was found corrupt in the ring (a subscriber read it).

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use kvbridge_shm::WriterOptions;
 
-use super::{Recovered, RingError, RingFiles, RingHub};
-use crate::metrics::Metrics;
+use super::{Recovered, RingError, RingFiles, RingHub, RingMetrics};
 
 /// The rings of one bridge.
 pub struct RingSet {
@@ -38,7 +37,7 @@ impl RingSet {
         ingest_ranks: Vec<u32>,
         per_rank: bool,
         opts: &WriterOptions,
-        metrics: &Metrics,
+        metrics: &RingMetrics,
     ) -> Result<RingSet, RingError> {
         remove_stale_ring_files(shm);
         let mut created = Vec::new();
@@ -112,7 +111,7 @@ fn open_all(
     ingest_ranks: &[u32],
     per_rank: bool,
     opts: &WriterOptions,
-    metrics: &Metrics,
+    metrics: &RingMetrics,
     created: &mut Vec<RingFiles>,
 ) -> Result<Opened, RingError> {
     let (merged, recovered) = RingHub::open("merged", shm, opts, metrics)?;

@@ -12,10 +12,9 @@ use tokio::sync::watch;
 use super::parts::Parts;
 use super::SetupError;
 use crate::config::ServeConfig;
-use crate::fanout::{EdgeOptions, Fanout};
-use crate::health::UpstreamState;
-use crate::metrics::Metrics;
-use crate::proxy::Sidecar;
+use crate::fanout::{EdgeOptions, Fanout, FanoutMetrics};
+use crate::health::{HealthMetrics, UpstreamState};
+use crate::proxy::{ProxyMetrics, Sidecar};
 use crate::ring::RingSet;
 use crate::snapshot::Snapshots;
 
@@ -32,7 +31,9 @@ pub(super) struct FrontDoor<'a> {
     pub rings: &'a RingSet,
     pub snapshots: Snapshots,
     pub upstream: Arc<UpstreamState>,
-    pub metrics: Arc<Metrics>,
+    pub fanout_metrics: Arc<FanoutMetrics>,
+    pub health_metrics: HealthMetrics,
+    pub proxy_metrics: Arc<ProxyMetrics>,
 }
 
 impl FrontDoor<'_> {
@@ -46,14 +47,16 @@ impl FrontDoor<'_> {
             rings,
             snapshots,
             upstream,
-            metrics,
+            fanout_metrics,
+            health_metrics,
+            proxy_metrics,
         } = self;
         let (drain_tx, drain_rx) = watch::channel(false);
         let fanout = Arc::new(
             Fanout::new(
                 rings.merged.clone(),
                 rings.rank_hubs.clone(),
-                metrics.clone(),
+                fanout_metrics,
                 cfg.fanout.max_subscribers,
                 drain_rx.clone(),
             )
@@ -63,7 +66,7 @@ impl FrontDoor<'_> {
         // needs the engine, and subscribers that ask get its load records.
         let sidecar = match &cfg.proxy {
             Some(p) => {
-                let s = Sidecar::start(p, metrics.clone()).map_err(SetupError::Proxy)?;
+                let s = Sidecar::start(p, proxy_metrics).map_err(SetupError::Proxy)?;
                 upstream.gate_on_engine(s.engine_answers());
                 if let Some(feed) = s.load_feed() {
                     fanout.attach_load_feed(feed);
@@ -78,7 +81,7 @@ impl FrontDoor<'_> {
             upstream,
             cfg.ops.health_grace,
             crate::fanout::service_names(),
-            metrics.clone(),
+            health_metrics.clone(),
         ));
         let opts = EdgeOptions {
             tls: cfg.security.tls.clone(),
@@ -105,7 +108,7 @@ impl FrontDoor<'_> {
                     .set_service_status(svc, tonic_health::ServingStatus::NotServing)
                     .await;
             }
-            metrics.health_serving.set(0);
+            health_metrics.serving.set(0);
             // A sidecar's listener closes now: new calls are refused at once, not left to
             // wait in the backlog for the drain.
             if let Some(s) = &sidecar {

@@ -42,12 +42,13 @@ use tokio::sync::watch;
 
 use crate::config::ServeConfig;
 use crate::decode::DecodeConfig;
-use crate::fanout::{DpMode, Fanout};
-use crate::health::UpstreamState;
-use crate::ingest::{Ingest, IngestError, Targets};
+use crate::fanout::{DpMode, Fanout, FanoutMetrics};
+use crate::health::{HealthMetrics, UpstreamState};
+use crate::ingest::{Ingest, IngestError, IngestMetrics, Targets};
 use crate::metrics::Metrics;
+use crate::proxy::ProxyMetrics;
 use crate::publish_zmq::{PublishZmqError, ZmqPublisher};
-use crate::ring::{RingError, RingHub, RingSet};
+use crate::ring::{RingError, RingHub, RingMetrics, RingSet};
 use crate::sink::{Sink, SinkError};
 use front_door::FrontDoor;
 use parts::Parts;
@@ -128,6 +129,7 @@ impl<'a> App<'a> {
             tracing::warn!("{w}");
         }
         let metrics = Arc::new(Metrics::new());
+        let stages = StageMetrics::new(&metrics);
         // Derived from the port actually bound, so that `--grpc …:0` gets a ring of its own.
         let shm = cfg.ring.ring_path(self.grpc_addr.port());
         let opts = WriterOptions {
@@ -137,9 +139,11 @@ impl<'a> App<'a> {
         };
         let ranks = cfg.ingest.ranks.iter().map(|r| r.rank).collect();
         let per_rank = cfg.fanout.dp_mode == DpMode::Metadata;
-        let rings = RingSet::open(&shm, ranks, per_rank, &opts, &metrics)?;
+        let rings = RingSet::open(&shm, ranks, per_rank, &opts, &stages.ring)?;
         let mut parts = Parts::default();
-        let started = self.start_parts(&rings, &metrics, &mut parts).await;
+        let started = self
+            .start_parts(&rings, &metrics, &stages, &mut parts)
+            .await;
         match started {
             Ok(s) => Ok(Service {
                 grpc_addr: s.grpc_addr,
@@ -165,6 +169,7 @@ impl<'a> App<'a> {
         self,
         rings: &RingSet,
         metrics: &Arc<Metrics>,
+        stages: &StageMetrics,
         parts: &mut Parts,
     ) -> Result<Started, SetupError> {
         let cfg = self.cfg;
@@ -222,7 +227,7 @@ impl<'a> App<'a> {
             parts.started_blocking("engine-wire publisher", move || p.shutdown());
         }
         // 6. Ingest.
-        let ingest = start_ingest(cfg, rings, metrics, upstream.clone())?;
+        let ingest = start_ingest(cfg, rings, &stages.ingest, upstream.clone())?;
         parts.started_blocking("ingest", move || ingest.stop());
         // 7. The front door.
         let fanout = FrontDoor {
@@ -231,7 +236,9 @@ impl<'a> App<'a> {
             rings,
             snapshots,
             upstream,
-            metrics: metrics.clone(),
+            fanout_metrics: stages.fanout.clone(),
+            health_metrics: stages.health.clone(),
+            proxy_metrics: stages.proxy.clone(),
         }
         .start(parts)?;
         front_door::announce(cfg, self.grpc_addr, metrics_addr, rings);
@@ -242,6 +249,30 @@ impl<'a> App<'a> {
             publish_zmq,
             fatal,
         })
+    }
+}
+
+/// The series of the stages the service itself builds (the edges register their own when they
+/// start: `crate::sink`, `crate::snapshot`, `crate::publish_zmq`). Built once, before anything
+/// starts, so every one of them exists from start-up, at zero. Sidecar mode's are registered in
+/// every mode, so that dashboards need no second variant.
+struct StageMetrics {
+    ring: RingMetrics,
+    ingest: IngestMetrics,
+    fanout: Arc<FanoutMetrics>,
+    health: HealthMetrics,
+    proxy: Arc<ProxyMetrics>,
+}
+
+impl StageMetrics {
+    fn new(m: &Metrics) -> Self {
+        StageMetrics {
+            ring: RingMetrics::new(m),
+            ingest: IngestMetrics::new(m),
+            fanout: Arc::new(FanoutMetrics::new(m)),
+            health: HealthMetrics::new(m),
+            proxy: Arc::new(ProxyMetrics::new(m)),
+        }
     }
 }
 
@@ -258,7 +289,7 @@ struct Started {
 fn start_ingest(
     cfg: &ServeConfig,
     rings: &RingSet,
-    metrics: &Arc<Metrics>,
+    metrics: &IngestMetrics,
     upstream: Arc<UpstreamState>,
 ) -> Result<Ingest, SetupError> {
     let targets = cfg

@@ -656,7 +656,13 @@ mod tests {
             group_read: false,
         };
         let path = dir.path().join("ring");
-        let (hub, _) = RingHub::open("merged", &path, &opts, &metrics).unwrap();
+        let (hub, _) = RingHub::open(
+            "merged",
+            &path,
+            &opts,
+            &crate::ring::RingMetrics::new(&metrics),
+        )
+        .unwrap();
         let rt = RingTable::attach(
             &hub,
             &path,

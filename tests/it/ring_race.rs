@@ -71,7 +71,7 @@ fn clears_racing_batches_keep_newest_and_cache_consistent() {
         seq_base: Some(1),
         group_read: false,
     };
-    let metrics = Metrics::new();
+    let metrics = kvbridge::ring::RingMetrics::new(&Metrics::new());
     let (hub, _) = RingHub::open("merged", &dir.path().join("ring"), &opts, &metrics).unwrap();
     let start = Arc::new(Barrier::new(PUBLISHERS as usize));
     let threads: Vec<_> = (0..PUBLISHERS as u32)

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use kvbridge::decode::{DecodeConfig, Decoder};
 use kvbridge::metrics::Metrics;
-use kvbridge::ring::RingHub;
+use kvbridge::ring::{RingHub, RingMetrics};
 use kvbridge::snapshot::{RingTable, SnapshotConfig, SnapshotMetrics};
 use kvbridge_shm::{RecordMeta, WriterOptions};
 
@@ -47,8 +47,10 @@ pub struct TableRing {
     pub hub: Arc<RingHub>,
     /// Its table.
     pub table: Arc<RingTable>,
-    /// The metrics both report to.
+    /// The registry both report to.
     pub metrics: Metrics,
+    /// The ring's series on it (for more rings beside this one).
+    pub ring_metrics: RingMetrics,
     /// The ring file.
     pub path: PathBuf,
     dir: tempfile::TempDir,
@@ -59,13 +61,14 @@ impl TableRing {
     pub fn open(label: &str, capacity: usize) -> TableRing {
         let dir = shm_tempdir();
         let metrics = Metrics::new();
+        let ring_metrics = RingMetrics::new(&metrics);
         let opts = WriterOptions {
             capacity,
             seq_base: Some(1),
             group_read: false,
         };
         let path = dir.path().join(label);
-        let hub = RingHub::open(label, &path, &opts, &metrics)
+        let hub = RingHub::open(label, &path, &opts, &ring_metrics)
             .expect("ring")
             .0;
         let table = RingTable::attach(
@@ -81,6 +84,7 @@ impl TableRing {
             hub,
             table,
             metrics,
+            ring_metrics,
             path,
             dir,
         }

@@ -174,11 +174,11 @@ async fn demo(a: DemoArgs) -> Result<(), CliError> {
             _ = fatal.changed() => break,
         }
         let pubd = published.load(Ordering::Relaxed);
-        let sent = service.metrics.batches_sent.get();
+        let sent = service.fanout.metrics.batches_sent.get();
         let (o, n) = service.merged.window();
         let (gp50, gp99, gn) = grpc_lane.take();
         let (sp50, sp99, sn) = shm_lane.take();
-        let frames_dropped = frames_dropped(&service.metrics, a.ranks);
+        let frames_dropped = frames_dropped(&service.metrics);
         let screen = format!(
             "kvbridge demo — {:>4}s\n\
              engine in     {:>8} batches/s   ({} ranks)\n\
@@ -355,19 +355,15 @@ fn spawn_shm_reader(
     })
 }
 
-/// Engine messages dropped before decoding, over every rank.
-fn frames_dropped(metrics: &kvbridge::metrics::Metrics, ranks: u32) -> u64 {
-    (0..ranks)
-        .map(|r| {
-            ["frame_count", "seq_length", "topic", "empty_payload"]
-                .iter()
-                .map(|k| {
-                    metrics
-                        .frames_dropped
-                        .with_label_values(&[r.to_string().as_str(), *k])
-                        .get()
-                })
-                .sum::<u64>()
-        })
+/// Engine messages dropped before decoding, over every rank and reason (ingest's
+/// `kvbridge_frames_dropped_total`, read from the registry as a scrape would).
+fn frames_dropped(metrics: &kvbridge::metrics::Metrics) -> u64 {
+    metrics
+        .registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "kvbridge_frames_dropped_total")
+        .flat_map(|f| f.get_metric())
+        .map(|m| m.get_counter().get_value() as u64)
         .sum()
 }
