@@ -154,12 +154,12 @@ async fn serve(
 /// Where the front door listens, for the start-up log line.
 pub(super) fn announce(
     cfg: &ServeConfig,
-    grpc: SocketAddr,
+    grpc_addr: SocketAddr,
     metrics: Option<SocketAddr>,
     rings: &RingSet,
 ) {
     let metrics_url = metrics.map_or_else(|| "off".to_string(), |a| format!("http://{a}/metrics"));
-    tracing::info!(%grpc, metrics = %metrics_url, ring = %rings.path().display(),
+    tracing::info!(%grpc_addr, metrics = %metrics_url, ring = %rings.path().display(),
         ranks = cfg.ingest.ranks.len(), tls = cfg.security.tls.is_some(),
         auth = cfg.security.auth_token.is_some(), "serving SubscribeKvEvents");
 }
