@@ -102,6 +102,17 @@ pub struct Sidecar {
 }
 
 /// Where the sidecar's tasks run: a runtime of its own on one thread (`kvbridge-proxy`); see
+/// Sidecar mode could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// `--engine-tls-ca` is unusable (the message names the flag and the file's problem).
+    #[error("{0}")]
+    EngineTlsCa(String),
+    /// The sidecar's own runtime or its thread could not be started.
+    #[error("cannot start the sidecar's runtime thread: {0}")]
+    Runtime(#[source] std::io::Error),
+}
+
 /// "Why one thread" in the module docs.
 struct ProxyRuntime {
     handle: tokio::runtime::Handle,
@@ -110,11 +121,11 @@ struct ProxyRuntime {
 }
 
 impl ProxyRuntime {
-    fn start() -> Result<Self, String> {
+    fn start() -> Result<Self, ProxyError> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| format!("cannot start the sidecar's runtime: {e}"))?;
+            .map_err(ProxyError::Runtime)?;
         let handle = rt.handle().clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()
@@ -124,7 +135,7 @@ impl ProxyRuntime {
                     let _ = stopped.await;
                 })
             })
-            .map_err(|e| format!("cannot start the sidecar's thread: {e}"))?;
+            .map_err(ProxyError::Runtime)?;
         Ok(ProxyRuntime {
             handle,
             _stop: stop,
@@ -136,9 +147,9 @@ impl Sidecar {
     /// Starts the probe (and the `GetLoads` poller unless its interval is 0) against the
     /// engine in `cfg`. Nothing is connected yet; an engine that is down is no start-up error.
     /// Fails only on an unusable `--engine-tls-ca`.
-    pub fn start(cfg: &ProxyConfig, metrics: Arc<ProxyMetrics>) -> Result<Arc<Self>, String> {
-        let upstream =
-            upstream::Upstream::new(&cfg.engine, cfg.tls_ca.as_deref(), metrics.clone())?;
+    pub fn start(cfg: &ProxyConfig, metrics: Arc<ProxyMetrics>) -> Result<Arc<Self>, ProxyError> {
+        let upstream = upstream::Upstream::new(&cfg.engine, cfg.tls_ca.as_deref(), metrics.clone())
+            .map_err(ProxyError::EngineTlsCa)?;
         let runtime = ProxyRuntime::start()?;
         let (load_tx, load_rx) = tokio::sync::watch::channel(None);
         let sidecar = Arc::new_cyclic(|weak: &std::sync::Weak<Sidecar>| {

@@ -66,7 +66,7 @@ impl FrontDoor<'_> {
         // needs the engine, and subscribers that ask get its load records.
         let sidecar = match &cfg.proxy {
             Some(p) => {
-                let s = Sidecar::start(p, proxy_metrics).map_err(SetupError::Proxy)?;
+                let s = Sidecar::start(p, proxy_metrics)?;
                 upstream.gate_on_engine(s.engine_answers());
                 if let Some(feed) = s.load_feed() {
                     fanout.attach_load_feed(feed);

@@ -46,7 +46,7 @@ use crate::fanout::{DpMode, Fanout, FanoutMetrics};
 use crate::health::{HealthMetrics, UpstreamState};
 use crate::ingest::{Ingest, IngestError, IngestMetrics, Targets};
 use crate::metrics::Metrics;
-use crate::proxy::ProxyMetrics;
+use crate::proxy::{ProxyError, ProxyMetrics};
 use crate::publish_zmq::{PublishZmqError, ZmqPublisher};
 use crate::ring::{RingError, RingHub, RingMetrics, RingSet};
 use crate::sink::{Sink, SinkError};
@@ -78,9 +78,9 @@ pub enum SetupError {
     /// Ingest could not open an engine endpoint.
     #[error(transparent)]
     Ingest(#[from] IngestError),
-    /// Sidecar mode could not reach its set-up (`--engine-grpc`).
-    #[error("{0}")]
-    Proxy(String),
+    /// Sidecar mode could not start (`--engine-grpc`).
+    #[error(transparent)]
+    Proxy(#[from] ProxyError),
     /// The TLS certificate or key is unusable.
     #[error("--tls-cert/--tls-key: {0}")]
     Tls(String),
