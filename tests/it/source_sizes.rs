@@ -17,8 +17,13 @@ const MAX_FN_LINES: usize = 100;
 #[test]
 #[ignore = "enabled when issue 35's splits land"]
 fn sources_tests_and_functions_stay_under_their_size_limits() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let offenders = offenders(root);
+    let root = crate::common::repo();
+    assert!(
+        root.join("src/lib.rs").is_file() && root.join("shm/src/lib.rs").is_file(),
+        "{} is not the repository root",
+        root.display()
+    );
+    let offenders = offenders(&root);
     assert!(
         offenders.is_empty(),
         "{} over the size limits (split them by concern):\n{}",
