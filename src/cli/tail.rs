@@ -56,19 +56,7 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
         }
         target = chunks.cut + 1;
     }
-    reader.seek(target).map_err(|e| match e {
-        SeekError::TooOld { oldest, newest, .. } if a.snapshot => CliError::Failed(format!(
-            "--snapshot: the ring no longer holds the record after the checkpoint's cut {}              (window [{oldest}, {newest}]); run it again",
-            target - 1
-        )),
-        SeekError::TooOld { oldest, newest, .. } => CliError::Failed(format!(
-            "--from {}: older than the retained window [{oldest}, {newest}]",
-            a.from
-        )),
-        SeekError::Future { newest, .. } => {
-            CliError::Failed(format!("--from {}: ahead of newest {newest}", a.from))
-        }
-    })?;
+    reader.seek(target).map_err(|e| seek_error(&a, target, e))?;
     let mut buf = Vec::new();
     let mut gone_reported = false;
     use std::io::Write;
@@ -129,4 +117,22 @@ pub(super) fn run(a: TailArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// The error for a ring that cannot be read from `target`, the record after `--from` (or, with
+/// `--snapshot`, after the checkpoint's cut).
+fn seek_error(a: &TailArgs, target: u64, e: SeekError) -> CliError {
+    match e {
+        SeekError::TooOld { oldest, newest, .. } if a.snapshot => CliError::Failed(format!(
+            "--snapshot: the ring no longer holds the record after the checkpoint's cut {}              (window [{oldest}, {newest}]); run it again",
+            target - 1
+        )),
+        SeekError::TooOld { oldest, newest, .. } => CliError::Failed(format!(
+            "--from {}: older than the retained window [{oldest}, {newest}]",
+            a.from
+        )),
+        SeekError::Future { newest, .. } => {
+            CliError::Failed(format!("--from {}: ahead of newest {newest}", a.from))
+        }
+    }
 }

@@ -188,51 +188,8 @@ impl Fanout {
                 "kvbridge is shutting down; resubscribe with the same cursor",
             )));
         }
-        let hub = match rank_header {
-            None => self.merged.clone(),
-            Some(raw) => {
-                let r: usize = std::str::from_utf8(raw)
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok())
-                    .ok_or_else(|| {
-                        self.status(Status::invalid_argument(format!(
-                            "{DP_RANK_HEADER} must be a rank number"
-                        )))
-                    })?;
-                if self.ranks.is_empty() {
-                    return Err(self.status(Status::not_found(format!(
-                        "{DP_RANK_HEADER}: per-rank streams are off (start kvbridge with --dp-mode metadata)"
-                    ))));
-                }
-                self.ranks.get(r).cloned().ok_or_else(|| {
-                    self.status(Status::not_found(format!(
-                        "{DP_RANK_HEADER}: no rank {r} (this bridge has {})",
-                        self.ranks.len()
-                    )))
-                })?
-            }
-        };
-        // Admission: count first, then check, so concurrent subscribes cannot overshoot.
-        let n = self.active.fetch_add(1, Ordering::AcqRel) + 1;
-        let mut guard = ActiveGuard {
-            fanout: self.clone(),
-            path,
-            gauge: false,
-        };
-        if n > self.max_subscribers {
-            drop(guard);
-            self.metrics
-                .resumes
-                .with_label_values(&["rejected_limit"])
-                .inc();
-            return Err(self.status(Status::resource_exhausted(format!(
-                "subscriber limit {} reached; retry later",
-                self.max_subscribers
-            ))));
-        }
-        self.metrics.subscribers.with_label_values(&[path]).inc();
-        guard.gauge = true;
-
+        let hub = self.ring_for(rank_header)?;
+        let guard = self.admit(path)?;
         let mut reader = hub.reader();
         // Snapshot: chunks numbered up to the cut, then the ring from cut + 1.
         let snapshot = self
@@ -257,38 +214,114 @@ impl Fanout {
             }
             // The ring moved past the cut while the snapshot was built: the window instead.
         }
+        let next = self.classify(&hub, start)?;
+        let next = self.seek_start(&mut reader, next, start)?;
+        Ok(Subscription {
+            hub,
+            reader,
+            next,
+            path,
+            shutdown: self.shutdown.clone(),
+            done: false,
+            last_ingest_ns: 0,
+            metrics: self.metrics.clone(),
+            pending: Vec::new(),
+            _guard: guard,
+        })
+    }
+
+    /// The ring a request reads: the merged one, or in `metadata` mode the rank its
+    /// [`DP_RANK_HEADER`] names.
+    fn ring_for(&self, rank_header: Option<&[u8]>) -> Result<Arc<RingHub>, Status> {
+        let Some(raw) = rank_header else {
+            return Ok(self.merged.clone());
+        };
+        let r: usize = std::str::from_utf8(raw)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| {
+                self.status(Status::invalid_argument(format!(
+                    "{DP_RANK_HEADER} must be a rank number"
+                )))
+            })?;
+        if self.ranks.is_empty() {
+            return Err(self.status(Status::not_found(format!(
+                "{DP_RANK_HEADER}: per-rank streams are off (start kvbridge with --dp-mode metadata)"
+            ))));
+        }
+        self.ranks.get(r).cloned().ok_or_else(|| {
+            self.status(Status::not_found(format!(
+                "{DP_RANK_HEADER}: no rank {r} (this bridge has {})",
+                self.ranks.len()
+            )))
+        })
+    }
+
+    /// Admission against the subscriber limit: counted first, then checked, so concurrent
+    /// subscribes cannot overshoot. The guard gives the place back when the stream ends.
+    fn admit(self: &Arc<Self>, path: &'static str) -> Result<ActiveGuard, Status> {
+        let n = self.active.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut guard = ActiveGuard {
+            fanout: self.clone(),
+            path,
+            gauge: false,
+        };
+        if n > self.max_subscribers {
+            drop(guard);
+            self.metrics
+                .resumes
+                .with_label_values(&["rejected_limit"])
+                .inc();
+            return Err(self.status(Status::resource_exhausted(format!(
+                "subscriber limit {} reached; retry later",
+                self.max_subscribers
+            ))));
+        }
+        self.metrics.subscribers.with_label_values(&[path]).inc();
+        guard.gauge = true;
+        Ok(guard)
+    }
+
+    /// Classifies `start` against one view of the window (O, N) of `hub` (docs/smg-api.md
+    /// §6.2), counting the outcome: the first sequence number to read, or the status.
+    fn classify(&self, hub: &RingHub, start: u64) -> Result<u64, Status> {
         let (o, n) = hub.window();
         // A record found corrupt is the effective start of the window while it is retained.
         let o = hub.readable_from(o).min(n + 1);
-        let next = if start == 0 {
+        if start == 0 {
             self.metrics.resumes.with_label_values(&["fresh"]).inc();
-            o
+            Ok(o)
         } else if start > n {
             self.metrics
                 .resumes
                 .with_label_values(&["out_of_range_future"])
                 .inc();
-            return Err(self.status(Status::out_of_range(format!(
+            Err(self.status(Status::out_of_range(format!(
                 "start_sequence_number {start} is ahead of newest {n}: ring reset or different source; resubscribe from 0"
-            ))));
+            ))))
         } else if start.saturating_add(1) < o {
             self.metrics
                 .resumes
                 .with_label_values(&["out_of_range_old"])
                 .inc();
-            return Err(self.status(too_old(start, o, n)));
+            Err(self.status(too_old(start, o, n)))
         } else {
             self.metrics
                 .resumes
                 .with_label_values(&[if start == n { "at_head" } else { "in_window" }])
                 .inc();
-            start + 1
-        };
+            Ok(start + 1)
+        }
+    }
+
+    /// Positions `reader` at `next`, the first record of a request from `start`; returns where
+    /// it ended up.
+    fn seek_start(&self, reader: &mut RingReader, next: u64, start: u64) -> Result<u64, Status> {
         let mut next = next;
         let mut attempts = 0;
         loop {
             match reader.seek(next) {
-                Ok(()) => break,
+                Ok(()) => return Ok(next),
                 // The writer moved on between the window read and the seek. A fresh subscriber
                 // (S = 0) simply starts at the new oldest record; a resume is now too old.
                 Err(SeekError::TooOld { oldest, .. }) if start == 0 && attempts < 100 => {
@@ -306,18 +339,6 @@ impl Fanout {
                 }
             }
         }
-        Ok(Subscription {
-            hub,
-            reader,
-            next,
-            path,
-            shutdown: self.shutdown.clone(),
-            done: false,
-            last_ingest_ns: 0,
-            metrics: self.metrics.clone(),
-            pending: Vec::new(),
-            _guard: guard,
-        })
     }
 }
 

@@ -5,20 +5,20 @@
 //! 1. `rank.rs` — the rank thread: creates the SUB (and its socket monitor), polls it, receives
 //!    `[topic, seq, payload]` into reusable buffers and validates the frames ([`wire`]);
 //! 2. [`upstream`] — the per-publisher state machine (docs/engine-wire.md §8): apply, fill a gap
-//!    through the engine's replay (`replay.rs`, a DEALER to the engine's ROUTER), or signal a
-//!    discontinuity in band;
-//! 3. `sink.rs` — decodes the batch once ([`crate::decode`]) straight into ring records
+//!    through the engine's replay (`upstream/fill.rs`; the requests go over `replay.rs`, a DEALER
+//!    to the engine's ROUTER), or signal a discontinuity in band;
+//! 3. `handoff.rs` — ingest's hand-off to the rings ([`upstream::Handoff`]): decodes the batch once ([`crate::decode`]) straight into ring records
 //!    ([`crate::ring`]), on the same thread.
 //!
 //! Nothing downstream runs on a rank thread except that decode-and-commit, so the SUB is drained
 //! as fast as the engine publishes (a full ZMQ pipe would make the engine's PUB drop silently).
 
 mod config;
+mod handoff;
 mod io;
 mod metrics;
 mod rank;
 mod replay;
-mod sink;
 pub mod upstream;
 pub mod wire;
 
@@ -35,10 +35,10 @@ pub use config::{
     IngestConfig, RankEndpoint, DEFAULT_MAX_ENGINE_MESSAGE, DEFAULT_REPLAY_TIMEOUT_MS,
     MAX_MAX_ENGINE_MESSAGE, MIN_MAX_ENGINE_MESSAGE,
 };
+use handoff::RingHandoff;
 use io::RankIo;
 pub use metrics::{IngestMetrics, RankMetrics};
 use rank::RankWorker;
-use sink::RingSink;
 pub use upstream::Resume;
 use upstream::{Limits, RankState};
 
@@ -112,11 +112,11 @@ impl Ingest {
                 max_payload: cfg.max_engine_message as usize,
                 ..decode.clone()
             });
-            decoder.restore_groups(sink::groups_of(&recovered.notes, rank.rank));
+            decoder.restore_groups(handoff::groups_of(&recovered.notes, rank.rank));
             // Freshness as the last kvbridge on this ring left it, every series from the start.
-            let fresh = sink::degraded_of(&recovered.notes, rank.rank);
+            let fresh = handoff::degraded_of(&recovered.notes, rank.rank);
             upstream.set_degraded(rank.rank, fresh);
-            m.set_freshness(&sink::degraded_labels(), fresh.map(|d| d.label()));
+            m.set_freshness(&handoff::degraded_labels(), fresh.map(|d| d.label()));
             if let Some(d) = fresh {
                 tracing::warn!(
                     rank = rank.rank,
@@ -127,7 +127,7 @@ impl Ingest {
             let resume = Resume::from_ring(recovered, rank.rank);
             workers.push(RankWorker {
                 state: RankState::new(resume, Limits::default(), m.clone()),
-                sink: RingSink::new(rank.rank, decoder, tgt, m.clone(), upstream.clone()),
+                handoff: RingHandoff::new(rank.rank, decoder, tgt, m.clone(), upstream.clone()),
                 monitor,
                 lost_since: None,
                 upstream: upstream.clone(),

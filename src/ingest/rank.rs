@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::handoff::RingHandoff;
 use super::io::RankIo;
-use super::sink::RingSink;
 use super::upstream::{Pos, RankState, ReplaySource};
 use super::RankEndpoint;
 use super::{wire, IngestError};
@@ -88,7 +88,7 @@ pub(super) struct RankWorker {
     pub(super) lost_since: Option<Instant>,
     pub(super) upstream: Arc<UpstreamState>,
     pub(super) state: RankState,
-    pub(super) sink: RingSink,
+    pub(super) handoff: RingHandoff,
 }
 
 /// Receives one multipart message into reusable buffers; returns the frame count (frames past
@@ -118,7 +118,7 @@ impl RankWorker {
         tracing::info!(rank = self.io.rank.rank, endpoint = %self.io.rank.endpoint, bind = self.io.rank.bind,
             replay = ?self.io.rank.replay, "ingest started");
         if let Some(mut rep) = self.io.replay() {
-            self.state.catch_up(&mut self.sink, &mut rep);
+            self.state.catch_up(&mut self.handoff, &mut rep);
         }
         let mut bufs = [
             zmq::Message::new(),
@@ -127,7 +127,7 @@ impl RankWorker {
         ];
         while !self.io.stop.load(Ordering::Relaxed) {
             // Also when idle, so the exported counters catch up after a burst.
-            self.sink.flush_decoder_metrics(false);
+            self.handoff.flush_decoder_metrics(false);
             let (data, events) = {
                 let mut items = [
                     self.io.sub.as_poll_item(zmq::POLLIN),
@@ -170,7 +170,7 @@ impl RankWorker {
                     Ok(s) => s,
                     Err(d) => {
                         self.io.m.frame_dropped(d.label());
-                        self.sink
+                        self.handoff
                             .warn_limited(d.label(), "dropped a malformed ZMQ message");
                         continue;
                     }
@@ -184,11 +184,11 @@ impl RankWorker {
                 }
                 let mut rep = self.io.replay();
                 let rep = rep.as_mut().map(|r| r as &mut dyn ReplaySource);
-                self.state.on_live(seq, payload, &mut self.sink, rep);
+                self.state.on_live(seq, payload, &mut self.handoff, rep);
             }
-            self.sink.flush_decoder_metrics(false);
+            self.handoff.flush_decoder_metrics(false);
         }
-        self.sink.flush_decoder_metrics(true);
+        self.handoff.flush_decoder_metrics(true);
         tracing::info!(rank = self.io.rank.rank, "ingest stopped");
     }
 }

@@ -41,32 +41,73 @@ pub(crate) async fn forward(
     let started = Instant::now();
     let method = super::method_label(req.uri().path());
     let (mut parts, body) = req.into_parts();
+    if let Err(status) = to_engine(upstream, &mut parts) {
+        return finish_early(metrics, &method, respond, status);
+    }
+    let down = match engine_down(upstream.state()) {
+        Ok(down) => down,
+        Err(status) => return finish_early(metrics, &method, respond, status),
+    };
+    let mut down = std::pin::pin!(down);
+    let end = body.is_end_stream();
+    let opened = open_call(upstream, budget, &parts, end, &mut respond, down.as_mut()).await;
+    let (share, response, up_send, lease) = match opened {
+        Ok(opened) => opened,
+        Err(Early::Cancelled) => return CallRecord::count(metrics, &method, "cancelled"),
+        Err(Early::Answer(status)) => return finish_early(metrics, &method, respond, status),
+    };
+    // Until the engine answers, leaving resets the engine's stream: counted on its connection.
+    let unanswered = Unanswered(Some((lease, upstream.address())));
+    metrics.overhead.observe(started.elapsed().as_secs_f64());
+    let mut flow = Flow {
+        stall: budget.stall.map(Stall::new),
+        response,
+        // The client's messages go up while the engine has not answered yet (client
+        // streaming: it answers after the last one).
+        request: (!end).then(|| {
+            let (body, flow) = RecvBody::forwarded(body);
+            Pipe::new(body, up_send, h2::Reason::CANCEL).releasing(flow)
+        }),
+        unanswered,
+        share,
+    };
+    let resp = match engine_headers(upstream, &mut respond, down.as_mut(), &mut flow).await {
+        Ok(resp) => resp,
+        Err(Early::Cancelled) => return CallRecord::count(metrics, &method, "cancelled"),
+        Err(Early::Answer(status)) => return finish_early(metrics, &method, respond, status),
+    };
+    metrics
+        .headers_latency
+        .observe(started.elapsed().as_secs_f64());
+    relay(upstream, metrics, method, resp, &mut respond, flow).await;
+}
+
+/// Points the client's request at the engine: its `:path` on the engine's base URI, without
+/// hop-by-hop headers.
+fn to_engine(upstream: &Upstream, parts: &mut http::request::Parts) -> Result<(), Status> {
     let path = parts
         .uri
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_string();
-    parts.uri = match format!("{}{path}", upstream.base).parse() {
-        Ok(u) => u,
-        Err(e) => {
-            let status = Status::internal(format!("bad path: {e}"));
-            return finish_early(metrics, &method, respond, status);
-        }
-    };
+    parts.uri = format!("{}{path}", upstream.base)
+        .parse()
+        .map_err(|e| Status::internal(format!("bad path: {e}")))?;
     strip_hop_by_hop(&mut parts.headers);
-    // While the probe finds the engine down, calls fail at once with its reason; a call that
-    // is waiting for the engine when the probe finds it down fails then (a stopped engine
-    // never answers: without this the wait would last until the connection's keepalive).
-    let mut state = upstream.state();
+    Ok(())
+}
+
+/// While the probe finds the engine down, calls fail at once with its reason (`Err`); else
+/// the future that ends with that status once the probe finds it down, so a call waiting for
+/// the engine fails then (a stopped engine never answers: without this the wait would last
+/// until the connection's keepalive).
+fn engine_down(
+    mut state: tokio::sync::watch::Receiver<EngineState>,
+) -> Result<impl Future<Output = Status>, Status> {
     if let EngineState::Down(why) = &*state.borrow_and_update() {
-        return finish_early(
-            metrics,
-            &method,
-            respond,
-            Status::unavailable(why.to_string()),
-        );
+        return Err(Status::unavailable(why.to_string()));
     }
-    let down = async move {
+    Ok(async move {
         let why = state
             .wait_for(|s| matches!(s, EngineState::Down(_)))
             .await
@@ -80,74 +121,108 @@ pub(crate) async fn forward(
             // The sidecar is going away.
             None => std::future::pending().await,
         }
-    };
-    let mut down = std::pin::pin!(down);
-    let end = body.is_end_stream();
+    })
+}
+
+/// How a call ends before the engine's response headers reach its client.
+enum Early {
+    /// The client went away: counted as cancelled, nothing sent.
+    Cancelled,
+    /// Answered with this status alone (trailers-only).
+    Answer(Status),
+}
+
+/// A call's stream to the engine, opened: its share of the buffer budgets, the engine's
+/// response to come, the request's send side, and the connection it went to.
+type Opened = (
+    Share,
+    h2::client::ResponseFuture,
+    h2::SendStream<Bytes>,
+    Connection,
+);
+
+/// Waits for the call's share of the buffer budgets, then opens its stream to the engine;
+/// unless the client goes away first or the probe finds the engine down.
+async fn open_call(
+    upstream: &Upstream,
+    budget: &ConnectionBudget,
+    parts: &http::request::Parts,
+    end: bool,
+    respond: &mut h2::server::SendResponse<Bytes>,
+    down: Pin<&mut impl Future<Output = Status>>,
+) -> Result<Opened, Early> {
     let open = async {
         // Nothing goes to the engine before the stream has its share of the buffer budgets.
         let share = budget.share().await;
-        open_stream(upstream, &parts, end)
+        open_stream(upstream, parts, end)
             .await
             .map(|(response, up_send, lease)| (share, response, up_send, lease))
     };
-    let (share, response, up_send, lease) = tokio::select! {
+    tokio::select! {
         biased;
         // The client went away before (a connection kvbridge closed with its streams already
         // accepted: nothing of them goes to the engine) or while the call waited (for a share,
         // or a connection).
-        _ = poll_fn(|cx| respond.poll_reset(cx)) => {
-            CallRecord::count(metrics, &method, "cancelled");
-            return;
-        }
-        r = open => match r {
-            Ok(s) => s,
-            Err(status) => return finish_early(metrics, &method, respond, status),
-        },
-        status = &mut down => return finish_early(metrics, &method, respond, status),
-    };
-    // Until the engine answers, leaving resets the engine's stream: counted on its connection.
-    let mut unanswered = Unanswered(Some((lease, upstream.address())));
-    metrics.overhead.observe(started.elapsed().as_secs_f64());
-    // The client's messages go up while the engine has not answered yet (client streaming: it
-    // answers after the last one).
-    let mut request = (!end).then(|| {
-        let (body, flow) = RecvBody::forwarded(body);
-        Pipe::new(body, up_send, h2::Reason::CANCEL).releasing(flow)
-    });
-    let mut response = std::pin::pin!(response);
-    let mut stall = budget.stall.map(Stall::new);
-    let headers = poll_fn(|cx| {
-        poll_request(&mut request, cx);
-        if let Some(stall) = &mut stall {
-            let (sent, waiting) = progress(&request, None::<&Pipe<Relay>>);
-            if stall.poll_stalled(cx, sent, waiting, &share) {
-                return Poll::Ready(Ok(Err(stall.status(&share))));
+        _ = poll_fn(|cx| respond.poll_reset(cx)) => Err(Early::Cancelled),
+        r = open => r.map_err(Early::Answer),
+        status = down => Err(Early::Answer(status)),
+    }
+}
+
+/// What a call holds once its stream to the engine is open. The fields drop in declaration
+/// order, as the locals they were did: the stall timer, the engine's response, the request,
+/// the unanswered mark, last the share.
+struct Flow<'a> {
+    stall: Option<Stall>,
+    response: h2::client::ResponseFuture,
+    /// The client's request body going up, until it is done.
+    request: Option<Pipe<RecvBody>>,
+    unanswered: Unanswered<'a>,
+    share: Share,
+}
+
+/// Waits for the engine's response headers while the client's messages go up; ends the call
+/// early if it stalls, the client goes away, or the probe finds the engine down.
+async fn engine_headers(
+    upstream: &Upstream,
+    respond: &mut h2::server::SendResponse<Bytes>,
+    mut down: Pin<&mut impl Future<Output = Status>>,
+    flow: &mut Flow<'_>,
+) -> Result<Response<h2::RecvStream>, Early> {
+    poll_fn(|cx| {
+        poll_request(&mut flow.request, cx);
+        if let Some(stall) = &mut flow.stall {
+            let (sent, waiting) = progress(&flow.request, None::<&Pipe<Relay>>);
+            if stall.poll_stalled(cx, sent, waiting, &flow.share) {
+                return Poll::Ready(Err(Early::Answer(stall.status(&flow.share))));
             }
         }
-        if let Poll::Ready(r) = respond.poll_reset(cx) {
+        if respond.poll_reset(cx).is_ready() {
             // The client went away before the engine answered.
-            return Poll::Ready(Err(r.err()));
+            return Poll::Ready(Err(Early::Cancelled));
         }
         if let Poll::Ready(status) = down.as_mut().poll(cx) {
-            return Poll::Ready(Ok(Err(status)));
+            return Poll::Ready(Err(Early::Answer(status)));
         }
-        let r = ready!(response.as_mut().poll(cx));
+        let r = ready!(Pin::new(&mut flow.response).poll(cx));
         // Answered (or failed on the engine's side): nothing left to reset.
-        unanswered.0 = None;
-        Poll::Ready(Ok(r.map_err(|e| upstream_error(upstream.address(), &e))))
+        flow.unanswered.0 = None;
+        Poll::Ready(r.map_err(|e| Early::Answer(upstream_error(upstream.address(), &e))))
     })
-    .await;
-    let resp = match headers {
-        Ok(Ok(r)) => r,
-        Ok(Err(status)) => return finish_early(metrics, &method, respond, status),
-        Err(_) => {
-            CallRecord::count(metrics, &method, "cancelled");
-            return;
-        }
-    };
-    metrics
-        .headers_latency
-        .observe(started.elapsed().as_secs_f64());
+    .await
+}
+
+/// Answers the client with the engine's response `resp`: its headers at once, then every DATA
+/// frame and its trailers, while the client's messages keep going up. Returns when the call is
+/// over (or has stalled: then the client's stream is reset).
+async fn relay(
+    upstream: &Upstream,
+    metrics: &Arc<ProxyMetrics>,
+    method: String,
+    resp: Response<h2::RecvStream>,
+    respond: &mut h2::server::SendResponse<Bytes>,
+    mut flow: Flow<'_>,
+) {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     // A trailers-only answer carries its status in the headers.
@@ -157,7 +232,7 @@ pub(crate) async fn forward(
         method,
         status,
     };
-    let (body, flow) = RecvBody::forwarded(body);
+    let (body, released) = RecvBody::forwarded(body);
     let body = Relay {
         inner: body,
         call: Some(call),
@@ -173,14 +248,14 @@ pub(crate) async fn forward(
     if end {
         return;
     }
-    let mut pipe = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR).releasing(flow);
+    let mut pipe = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR).releasing(released);
     poll_fn(|cx| {
-        poll_request(&mut request, cx);
-        if let Some(stall) = &mut stall {
-            let (sent, waiting) = progress(&request, Some(&pipe));
-            if stall.poll_stalled(cx, sent, waiting, &share) {
+        poll_request(&mut flow.request, cx);
+        if let Some(stall) = &mut flow.stall {
+            let (sent, waiting) = progress(&flow.request, Some(&pipe));
+            if stall.poll_stalled(cx, sent, waiting, &flow.share) {
                 // Trailers would wait behind the unsent data: a reset reaches the client now.
-                let _ = stall.status(&share);
+                let _ = stall.status(&flow.share);
                 pipe.reset(h2::Reason::ENHANCE_YOUR_CALM);
                 return Poll::Ready(Ok(()));
             }
@@ -189,8 +264,9 @@ pub(crate) async fn forward(
     })
     .await
     .ok();
-    // A client still sending after the engine's answer: the call is over, its stream reset.
-    drop(share);
+    // Back goes the share first; then (`flow`'s other fields drop after `pipe`) a client still
+    // sending after the engine's answer: the call is over, its stream reset.
+    drop(flow.share);
 }
 
 /// Bytes sent so far in both directions of a call, and whether it is owed bytes that do not

@@ -302,6 +302,33 @@ pub async fn ensure_stream(
         .map_err(|e| serr(e.to_string(), false))?
         .config
         .clone();
+    check_matches(cfg, &have, &want)?;
+    if !have.allow_atomic_publish {
+        let mut c = have.clone();
+        c.allow_atomic_publish = true;
+        let info = js.update_stream(c).await.map_err(|e| {
+            let refused = matches!(
+                e.kind(),
+                jetstream::context::CreateStreamErrorKind::JetStream(_)
+            );
+            serr(format!("turning on atomic batch publish: {e}"), refused)
+        })?;
+        if !info.config.allow_atomic_publish {
+            return Err(no_atomic(cfg));
+        }
+        tracing::info!(stream = %cfg.stream, "turned on atomic batch publish (allow_atomic) on the existing stream");
+        s = js.get_stream(&cfg.stream).await.map_err(get_err)?;
+    }
+    Ok(s)
+}
+
+/// Checks that the existing stream's config `have` has the replicas, max age, retention and
+/// subjects of `want` (what `cfg` asks for); a mismatch is an error naming what differs.
+fn check_matches(
+    cfg: &NatsConfig,
+    have: &stream::Config,
+    want: &stream::Config,
+) -> Result<(), SinkError> {
     let subject = format!("{}.>", cfg.subject_prefix);
     let mismatch = |what: String| SinkError::Mismatch {
         stream: cfg.stream.clone(),
@@ -331,23 +358,7 @@ pub async fn ensure_stream(
             have.subjects
         )));
     }
-    if !have.allow_atomic_publish {
-        let mut c = have.clone();
-        c.allow_atomic_publish = true;
-        let info = js.update_stream(c).await.map_err(|e| {
-            let refused = matches!(
-                e.kind(),
-                jetstream::context::CreateStreamErrorKind::JetStream(_)
-            );
-            serr(format!("turning on atomic batch publish: {e}"), refused)
-        })?;
-        if !info.config.allow_atomic_publish {
-            return Err(no_atomic(cfg));
-        }
-        tracing::info!(stream = %cfg.stream, "turned on atomic batch publish (allow_atomic) on the existing stream");
-        s = js.get_stream(&cfg.stream).await.map_err(get_err)?;
-    }
-    Ok(s)
+    Ok(())
 }
 
 /// The server kept no `allow_atomic`: it predates atomic batches.

@@ -549,50 +549,57 @@ impl Publisher {
                     backoff.reset();
                     self.set_state(State::Publishing, "");
                 }
-                Err(f) => {
-                    let first = batch[0].seq;
-                    // After a passing failure, the batch is sent again after the same message:
-                    // if it was stored after all, that is refused (for order or as a duplicate)
-                    // and only then is the stream asked where the subject ends. A synthesized
-                    // first record is re-derived from the stream instead.
-                    let mut local = None;
-                    match f {
-                        Failure::Order(why) => {
-                            self.metrics
-                                .rejected_for_order
-                                .with_label_values(&[&subject])
-                                .inc_by(batch.len() as u64);
-                            self.set_state(State::Realigning, &why);
-                        }
-                        Failure::Duplicate => {
-                            self.set_state(State::Realigning, "part of the batch is already stored")
-                        }
-                        Failure::TooLarge => {
-                            self.batch_cap = (self.batch_cap / 2).max(1);
-                            tracing::info!(subject = %subject, cap = self.batch_cap,
-                                "the server allows smaller atomic batches: sending at most this many records per batch");
-                        }
-                        Failure::Config(why) => {
-                            self.metrics.config_errors.inc();
-                            if self.state != State::Failing("config") {
-                                tracing::error!(subject = %subject, error = %why,
-                                    "the stream refuses atomic batches; publishing waits until it allows them (allow_atomic)");
-                            }
-                            self.state = State::Failing("config");
-                        }
-                        Failure::Transient(why) => {
-                            self.metrics.failures.with_label_values(&[&subject]).inc();
-                            tracing::debug!(subject = %subject, first, error = %why, "batch not stored");
-                            self.set_state(State::Failing("publish"), &why);
-                            if batch[0].cleared.is_none() {
-                                local = Some((after, first));
-                            }
-                        }
-                    }
-                    return Ended::Retry(local);
+                Err(f) => return Ended::Retry(self.on_failure(f, &batch, after)),
+            }
+        }
+    }
+
+    /// Records why `batch` (sent after stream sequence `after`) was not stored: the state, the
+    /// counters, a smaller batch cap. Returns where to resume without asking the stream (a
+    /// passing failure of a batch that is not a synthesized first record), as
+    /// [`Ended::Retry`] carries it.
+    fn on_failure(&mut self, f: Failure, batch: &[Item], after: u64) -> Option<(u64, u64)> {
+        let subject = self.subject.clone();
+        let first = batch[0].seq;
+        // After a passing failure, the batch is sent again after the same message:
+        // if it was stored after all, that is refused (for order or as a duplicate)
+        // and only then is the stream asked where the subject ends. A synthesized
+        // first record is re-derived from the stream instead.
+        let mut local = None;
+        match f {
+            Failure::Order(why) => {
+                self.metrics
+                    .rejected_for_order
+                    .with_label_values(&[&subject])
+                    .inc_by(batch.len() as u64);
+                self.set_state(State::Realigning, &why);
+            }
+            Failure::Duplicate => {
+                self.set_state(State::Realigning, "part of the batch is already stored")
+            }
+            Failure::TooLarge => {
+                self.batch_cap = (self.batch_cap / 2).max(1);
+                tracing::info!(subject = %subject, cap = self.batch_cap,
+                    "the server allows smaller atomic batches: sending at most this many records per batch");
+            }
+            Failure::Config(why) => {
+                self.metrics.config_errors.inc();
+                if self.state != State::Failing("config") {
+                    tracing::error!(subject = %subject, error = %why,
+                        "the stream refuses atomic batches; publishing waits until it allows them (allow_atomic)");
+                }
+                self.state = State::Failing("config");
+            }
+            Failure::Transient(why) => {
+                self.metrics.failures.with_label_values(&[&subject]).inc();
+                tracing::debug!(subject = %subject, first, error = %why, "batch not stored");
+                self.set_state(State::Failing("publish"), &why);
+                if batch[0].cleared.is_none() {
+                    local = Some((after, first));
                 }
             }
         }
+        local
     }
 }
 

@@ -52,4 +52,5 @@ mod rotate;
 mod serve;
 mod smg_real_engine;
 mod snapshot;
+mod source_sizes;
 mod zmq_publish;

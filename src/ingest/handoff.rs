@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::metrics::RankMetrics;
-use super::upstream::Sink;
+use super::upstream::Handoff;
 use super::Targets;
 use crate::decode::{parse_group_note, ClearedBatch, Decoder, GroupNote};
 use crate::health::{Degraded, UpstreamState};
+use crate::ingest::RankMetrics;
 use crate::ring::{ClearCause, RingHub};
 
 /// Writer-note kind of a rank's freshness: `[2, cause, rank u16 LE, 0…]`, present only while
@@ -46,7 +46,7 @@ pub(super) fn degraded_labels() -> Vec<&'static str> {
 }
 
 /// Decodes each batch once and publishes it into the rank's ring(s).
-pub(super) struct RingSink {
+pub(super) struct RingHandoff {
     rank: u32,
     decoder: Decoder,
     targets: Targets,
@@ -56,7 +56,7 @@ pub(super) struct RingSink {
     last_flush: Instant,
 }
 
-impl RingSink {
+impl RingHandoff {
     pub(super) fn new(
         rank: u32,
         decoder: Decoder,
@@ -64,7 +64,7 @@ impl RingSink {
         m: RankMetrics,
         upstream: Arc<UpstreamState>,
     ) -> Self {
-        RingSink {
+        RingHandoff {
             rank,
             decoder,
             targets,
@@ -102,7 +102,7 @@ impl RingSink {
     }
 }
 
-impl RingSink {
+impl RingHandoff {
     /// Writes this rank's groups to the writer notes of each ring it feeds, when the decoder
     /// learnt something new (decode/groups.rs: why they must survive a restart).
     fn keep_groups(&mut self) {
@@ -126,7 +126,7 @@ impl RingSink {
     }
 }
 
-impl RingSink {
+impl RingHandoff {
     /// Sets this rank's freshness (`None`: exact). On a change: the shared state, the metric,
     /// one log line, and the ring's writer notes (a degraded rank stays degraded across a
     /// kvbridge restart; the note is written before the batch or clear that follows).
@@ -183,7 +183,7 @@ fn ring_targets(t: &Targets) -> impl Iterator<Item = (&Arc<RingHub>, bool)> {
     std::iter::once((&t.merged, t.merged_sends_rank)).chain(t.own.iter().map(|h| (h, true)))
 }
 
-impl Sink for RingSink {
+impl Handoff for RingHandoff {
     fn apply(&mut self, seq: u64, digest: u32, payload: &[u8]) {
         self.m.batches.inc();
         if payload.is_empty() {

@@ -1,0 +1,228 @@
+//! Filling a gap through the engine's replay service (docs/engine-wire.md §8): ask, apply what
+//! is replayed while queueing the live batches that arrive meanwhile, retry or give up in band,
+//! then handle the queued live batches.
+
+use std::collections::VecDeque;
+
+use super::{digest, Fill, Handoff, Pos, RankState, ReplayEnd, ReplaySource};
+use crate::ring::ClearCause;
+
+/// What one replay request brought.
+struct Tally {
+    /// No batch after `last` applied yet (a missing one is then `history_missing`, not a hole).
+    first: bool,
+    /// Batches received.
+    received: u64,
+    /// One contradicted what was applied at its seq: a new incarnation.
+    other_incarnation: bool,
+}
+
+/// What follows a replay that did not meet a new incarnation.
+enum Next {
+    /// The fill is over: drain the live batches.
+    Done,
+    /// Shutdown: return at once.
+    Aborted,
+    /// Ask again.
+    Retry,
+}
+
+impl RankState {
+    /// Replays from `from`, merging the live batches that arrive meanwhile (`live` holds those
+    /// that arrived before), then drains the merged live batches.
+    pub(super) fn fill(
+        &mut self,
+        from: u64,
+        mut live: VecDeque<(u64, Vec<u8>)>,
+        handoff: &mut dyn Handoff,
+        mut rep: Option<&mut dyn ReplaySource>,
+        why: Fill,
+    ) {
+        let Some(source) = rep.as_mut() else {
+            return;
+        };
+        let mut overflow = false;
+        let mut want = from;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            self.m.replay("requested");
+            let (end, tally) =
+                self.replay_once(&mut **source, want, &mut live, &mut overflow, handoff);
+            let nothing_at_last = end == ReplayEnd::Complete
+                && tally.received == 0
+                && matches!(self.pos, Pos::Last(l) if l == want);
+            if tally.other_incarnation || nothing_at_last {
+                // A different batch where `last` was applied, or nothing at or after it (the
+                // engine's newest is below `last`): a new incarnation. Its whole history, from 0.
+                self.m.replay("other_incarnation");
+                self.restart(handoff, want);
+                want = 0;
+                attempt -= 1;
+                continue;
+            }
+            match self.after_replay(end, attempt, why, &mut want, handoff) {
+                Next::Done => break,
+                Next::Aborted => return,
+                Next::Retry => {}
+            }
+        }
+        self.drain_live(want, overflow, live, handoff);
+    }
+
+    /// One replay request from `want`: replayed batches are handled as they arrive
+    /// ([`RankState::on_replayed`]); live batches that arrive meanwhile are queued on `live`, up
+    /// to the limit (past it: `overflow`).
+    fn replay_once(
+        &mut self,
+        source: &mut dyn ReplaySource,
+        want: u64,
+        live: &mut VecDeque<(u64, Vec<u8>)>,
+        overflow: &mut bool,
+        handoff: &mut dyn Handoff,
+    ) -> (ReplayEnd, Tally) {
+        let mut tally = Tally {
+            first: true,
+            received: 0,
+            other_incarnation: false,
+        };
+        let limit = self.limits.live_buffer;
+        let end = source.replay(
+            want,
+            &mut |rs, rp| self.on_replayed(rs, rp, want, &mut tally, handoff),
+            &mut |ls, lp| {
+                if live.len() >= limit {
+                    *overflow = true;
+                } else {
+                    live.push_back((ls, lp));
+                }
+            },
+        );
+        (end, tally)
+    }
+
+    /// One replayed batch `rs` (bytes `rp`) of the replay asked from `want`: a copy of what was
+    /// applied at or below `last` (counted, and proof of the incarnation), one that contradicts
+    /// it (noted: the caller restarts), or a batch to apply, after an in-band clear when the
+    /// engine no longer has what comes before it.
+    fn on_replayed(
+        &mut self,
+        rs: u64,
+        rp: &[u8],
+        want: u64,
+        tally: &mut Tally,
+        handoff: &mut dyn Handoff,
+    ) {
+        if tally.other_incarnation {
+            // The rest of a new incarnation's answer: asked again from 0 by the caller.
+            return;
+        }
+        tally.received += 1;
+        let d = digest(rp);
+        let expected = match self.pos {
+            Pos::Last(l) if rs <= l => {
+                match self.applied_at(rs) {
+                    Some(known) if known != d => tally.other_incarnation = true,
+                    Some(_) => {
+                        self.verified = true;
+                        // (the copy of `last` asked for, to compare, is no
+                        // duplicate: anything else at or below it is)
+                        if rs != want {
+                            self.m.duplicates.inc();
+                        }
+                    }
+                    // Older than the window: nothing to compare with.
+                    None => self.m.duplicates.inc(),
+                }
+                // (`first` stays: it means the first batch after `last`)
+                return;
+            }
+            Pos::Last(l) => l + 1,
+            // Unknown: whatever comes first is preceded by a clear anyway.
+            Pos::Unknown => rs,
+            _ => want,
+        };
+        if rs > expected {
+            // The engine no longer has (or never had: burned seqs) what we
+            // asked for; or it no longer has `last`, which then cannot be
+            // compared: either way, what it held is gone.
+            self.m.replay(if tally.first {
+                "history_missing"
+            } else {
+                "hole"
+            });
+            self.lost = Some((expected, rs - 1));
+            self.clear(handoff, rs, ClearCause::MissingHistory);
+            self.pos = Pos::AcceptAny;
+        }
+        tally.first = false;
+        self.m.replayed.inc();
+        self.apply(rs, d, rp, handoff);
+    }
+
+    /// Counts how the `attempt`th replay of this fill ended, and decides what follows: a failed
+    /// one is retried (from what is now wanted) until the attempts run out; then a gap is given
+    /// up in band.
+    fn after_replay(
+        &mut self,
+        end: ReplayEnd,
+        attempt: u32,
+        why: Fill,
+        want: &mut u64,
+        handoff: &mut dyn Handoff,
+    ) -> Next {
+        match end {
+            ReplayEnd::Complete => {
+                self.m.replay("succeeded");
+                Next::Done
+            }
+            ReplayEnd::Aborted => Next::Aborted,
+            ReplayEnd::TimedOut | ReplayEnd::Malformed => {
+                self.m.replay(if end == ReplayEnd::TimedOut {
+                    "timed_out"
+                } else {
+                    "malformed"
+                });
+                if attempt >= self.limits.replay_attempts {
+                    if why == Fill::Gap {
+                        self.m.replay("gave_up");
+                        self.clear(handoff, *want, ClearCause::UnfillableGap);
+                        self.pos = Pos::AcceptAny;
+                    }
+                    // On start-up, a silent replay endpoint only means we cannot prove what
+                    // we missed, and a check of the next batch in order that cannot be made
+                    // is no loss: the live stream decides (a gap in it is still reported).
+                    return Next::Done;
+                }
+                *want = match self.pos {
+                    Pos::Last(l) if self.verified => l + 1,
+                    Pos::Last(l) => l,
+                    _ => *want,
+                };
+                Next::Retry
+            }
+        }
+    }
+
+    /// After a fill: live batches beyond the buffer fail it in band (the buffered ones are
+    /// dropped with them); else the buffered ones are handled in order.
+    fn drain_live(
+        &mut self,
+        want: u64,
+        overflow: bool,
+        mut live: VecDeque<(u64, Vec<u8>)>,
+        handoff: &mut dyn Handoff,
+    ) {
+        if overflow {
+            self.m.replay("live_overflow");
+            self.clear(handoff, want, ClearCause::ReplayOverflow);
+            self.pos = Pos::AcceptAny;
+            live.clear();
+        }
+        while let Some((s, p)) = live.pop_front() {
+            // One replay per gap: a gap still open after it is reported, not replayed again;
+            // a copy of a replayed batch is recognised by its bytes.
+            self.step(s, &p, handoff, None, false);
+        }
+    }
+}
