@@ -1,5 +1,5 @@
 //! The integration tests: one binary (so the crate and its dependencies are linked once, not
-//! once per file), one module per area, the harness in [`common`] defined once.
+//! once per file), one module per behaviour, the harness in [`common`] defined once.
 //!
 //! Most modules drive the real `kvbridge` binary (`CARGO_BIN_EXE_kvbridge`) against simulated
 //! engines and in-process clients, and need nothing but this machine. Modules of one area share
