@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates (once) the venv tests/it/zmq_publish.rs runs Dynamo's standalone KV indexer in
+# Creates (once) the venv tests/it/zmq_publish_dynamo.rs runs Dynamo's standalone KV indexer in
 # (`python -m dynamo.indexer`, PyPI `ai-dynamo-runtime`), and prints its python on the last line.
 #
 #   scripts/dynamo-venv.sh     # -> .../target/dynamo-venv/bin/python

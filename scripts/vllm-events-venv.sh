@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Creates (once) the venv tests/it/zmq_publish.rs decodes kvbridge's engine-wire output in, with
-# vLLM's own event classes, and prints on its last line the directory that holds the wheel's
-# `vllm/distributed/kv_events.py` (the venv's python is `../bin/python` from there).
+# Creates (once) the venv the tests/it/zmq_publish_*.rs modules decode kvbridge's engine-wire
+# output in, with vLLM's own event classes, and prints on its last line the directory that holds
+# the wheel's `vllm/distributed/kv_events.py` (the venv's python is `../bin/python` from there).
 #
 #   scripts/vllm-events-venv.sh     # -> .../target/vllm-events-venv/vllm-0.33.0
 #

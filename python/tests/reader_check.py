@@ -1,4 +1,4 @@
-"""Python side of tests/python_shm.rs: drives kvbridge_shm.Reader against a running bridge.
+"""Python side of tests/it/python_shm.rs: drives kvbridge_shm.Reader against a running bridge.
 
 Every mode prints one JSON object per line on stdout (flushed) and reads its cue lines, if any,
 from stdin, so the Rust test can interleave bridge actions (publish, SIGKILL, restart) with the

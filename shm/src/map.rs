@@ -1,5 +1,10 @@
 //! Interpreting a mapped ring file: header validation and building a
 //! [`Ring`] view over the mapping.
+//!
+//! The bounds and alignment checks of the mapping's accessors (`Base`) are
+//! `assert!`s, not `debug_assert!`s: they run in every build, release
+//! included, so an offset outside the mapping panics instead of reading
+//! outside it.
 
 use crate::error::ShmError;
 use crate::layout::*;

@@ -153,7 +153,7 @@
 //!
 //! `tests/it/decode_fuzz_corpus.rs` runs the same entry point on stable over the corpus, the
 //! vectors and deterministic mutations of both (`DECODE_MUTATIONS=20000000 cargo test --release
-//! --test decode_fuzz_corpus -- --ignored` for a longer campaign).
+//! --test it decode_fuzz_corpus -- --ignored` for a longer campaign).
 mod ekeys;
 mod encode;
 mod enums;

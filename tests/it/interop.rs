@@ -460,7 +460,7 @@ async fn published_smg_stubs_decode_every_field_on_all_four_paths() {
         "--dp-mode",
         "metadata",
         // The retained window's wire format is checked here (a Rust subscriber sets field 2,
-        // which would get snapshot chunks after the wrap: tests/snapshot.rs covers those).
+        // which would get snapshot chunks after the wrap: tests/it/snapshot.rs covers those).
         "--snapshot",
         "off",
     ]

