@@ -112,7 +112,7 @@ fn bench_floor_reports_both_senders_without_loss() {
     assert!(text.contains("floor (Blocking sender"), "{text}");
 }
 
-/// `kvbridge bench --floor --floor-senders h2-writev`: issue 36's prototype sender (a real HTTP/2
+/// `kvbridge bench --floor --floor-senders h2-writev`: the prototype sender (a real HTTP/2
 /// handshake written by hand, then one `writev` of frame header + gRPC prefix and the shared
 /// payload per connection per batch, within the client's windows) delivers every message, in
 /// order, to real HTTP/2 clients, and its CPU and write counters are reported.

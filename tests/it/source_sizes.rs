@@ -1,4 +1,4 @@
-//! The size rule of the code style (issue 35), enforced so that it cannot come back: no `.rs`
+//! The size rule of the code style, enforced so that it cannot come back: no `.rs`
 //! file under `src/` or `shm/src/` over 900 lines, none under `tests/` over 1000, and no
 //! function in `src/` or `shm/src/` over 100 lines (test code aside: `#[cfg(test)]` modules and
 //! files named `tests.rs`). Small pieces read and review better; a file or function that grows

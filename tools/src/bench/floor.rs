@@ -11,7 +11,7 @@
 //! thread, as kvbridge's ring commit wakes its subscribers), so the two rows split the bridge's
 //! cost into the kernel's, the async runtime's and the rest (HTTP/2, gRPC, the ring). A third
 //! sender, `h2-writev` (`--floor-senders`, [`super::floor_h2`]), is the blocking shape with real
-//! HTTP/2 and gRPC framing written by hand: issue 36's prototype of a streaming path that costs
+//! HTTP/2 and gRPC framing written by hand: the prototype of a streaming path that costs
 //! what the kernel costs.
 //!
 //! The sender is a child process (`kvbridge bench-floor`), so its CPU is measured alone; the
@@ -466,7 +466,7 @@ pub fn table(r: &FloorResult, bridge_us: Option<f64>) -> String {
 }
 
 /// The floor rows side by side (CPU µs per delivered batch and latency), with each row's and the
-/// bridge's ratio to the blocking floor — issue 36's question is `h2-writev / blocking ≤ 1.2`.
+/// bridge's ratio to the blocking floor (the prototype's question: is `h2-writev / blocking ≤ 1.2`?).
 pub fn summary(rows: &[FloorResult], bridge_us: Option<f64>) -> String {
     let us = |s: FloorSender| {
         rows.iter()

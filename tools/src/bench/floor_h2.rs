@@ -1,4 +1,4 @@
-//! The floor's third sender, `h2-writev` (issue 36's prototype): the blocking floor's shape with
+//! The floor's third sender, `h2-writev` (a prototype): the blocking floor's shape with
 //! real HTTP/2 and gRPC framing written by hand. Each connection gets a real HTTP/2 server
 //! handshake (preface, SETTINGS both ways, the client's request HEADERS, a `200` response with
 //! `content-type: application/grpc`); then, per batch, every connection gets ONE non-blocking
