@@ -112,6 +112,59 @@ fn bench_floor_reports_both_senders_without_loss() {
     assert!(text.contains("floor (Blocking sender"), "{text}");
 }
 
+/// `kvbridge bench --floor --floor-senders h2-writev`: the prototype sender (a real HTTP/2
+/// handshake written by hand, then one `writev` of frame header + gRPC prefix and the shared
+/// payload per connection per batch, within the client's windows) delivers every message, in
+/// order, to real HTTP/2 clients, and its CPU and write counters are reported.
+#[test]
+fn bench_floor_h2_writev_sender_delivers_without_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
+        .args(["bench", "--rate", "200", "--duration", "2", "--warmup", "1"])
+        .args([
+            "--subscribers",
+            "4",
+            "--connections",
+            "2",
+            "--shm-readers",
+            "0",
+        ])
+        .args([
+            "--ring-size",
+            "8MiB",
+            "--floor",
+            "--floor-senders",
+            "h2-writev",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let floor = r["floor"].as_array().expect("floor rows");
+    assert_eq!(floor.len(), 1, "{r}");
+    let f = &floor[0];
+    assert_eq!(f["sender"], "h2-writev", "{f}");
+    assert_eq!(f["lost"], 0, "{f}");
+    assert_eq!(f["connections"], 2, "{f}");
+    // 2 connections × 200/s × 2 s; generous, since a loaded machine may delay the sender.
+    let messages = f["delivered_messages"].as_u64().unwrap();
+    assert!((400..=900).contains(&messages), "{f}");
+    assert!(f["cpu_us_per_delivered_batch"].as_f64().is_some(), "{f}");
+    // Every batch was offered to every connection in (at least) one writev.
+    assert!(f["h2"]["writes"].as_u64().unwrap() >= messages, "{f}");
+    assert!(text.contains("floor (H2Writev sender"), "{text}");
+    assert!(text.contains("floor side by side"), "{text}");
+}
+
 /// `kvbridge bench --zmq-subscribers`: the `--publish-zmq` column and its bare-relay floor, both
 /// read by the same number of SUBs in the same run, each delivering every batch to every SUB, and
 /// the CPU per record of the bridge and of the relay process.

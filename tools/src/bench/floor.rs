@@ -9,7 +9,10 @@
 //! one `write` per connection per batch and nothing else. The `tokio` sender adds the shape of
 //! an async streaming server on top (one task per connection, woken per batch from a producer
 //! thread, as kvbridge's ring commit wakes its subscribers), so the two rows split the bridge's
-//! cost into the kernel's, the async runtime's and the rest (HTTP/2, gRPC, the ring).
+//! cost into the kernel's, the async runtime's and the rest (HTTP/2, gRPC, the ring). A third
+//! sender, `h2-writev` (`--floor-senders`, [`super::floor_h2`]), is the blocking shape with real
+//! HTTP/2 and gRPC framing written by hand: the prototype of a streaming path that costs
+//! what the kernel costs.
 //!
 //! The sender is a child process (`kvbridge bench-floor`), so its CPU is measured alone; the
 //! receiving side runs in the bench process, as the gRPC subscribers do. Each message carries
@@ -38,6 +41,46 @@ pub enum FloorSender {
     /// A two-worker tokio runtime with one task per connection, woken per batch (a `watch`
     /// channel) by a producer thread, each doing one `write`: the floor of an async server.
     Tokio,
+    /// The blocking sender's shape with real HTTP/2 and gRPC framing written by hand: one
+    /// non-blocking `writev` per connection per batch of a 14-byte header and the shared
+    /// payload, within the client's flow-control windows (see [`super::floor_h2`]).
+    H2Writev,
+}
+
+impl FloorSender {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            FloorSender::Blocking => "blocking",
+            FloorSender::Tokio => "tokio",
+            FloorSender::H2Writev => "h2-writev",
+        }
+    }
+}
+
+/// The floor senders to run, in order (`--floor-senders blocking,tokio,h2-writev`): inline, not a
+/// `Vec`, so that the bench's flags stay small.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FloorSenders([Option<FloorSender>; 3]);
+
+impl FloorSenders {
+    /// The senders, in the order given.
+    pub fn iter(&self) -> impl Iterator<Item = FloorSender> + '_ {
+        self.0.iter().flatten().copied()
+    }
+}
+
+impl std::str::FromStr for FloorSenders {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut out = [None; 3];
+        for (i, name) in s.split(',').enumerate() {
+            let sender = <FloorSender as clap::ValueEnum>::from_str(name.trim(), false)?;
+            *out.get_mut(i).ok_or("at most three floor senders")? = Some(sender);
+        }
+        Ok(FloorSenders(out))
+    }
 }
 
 /// What the floor measures.
@@ -92,12 +135,15 @@ pub struct FloorResult {
     pub cpu_us_per_delivered_batch: Option<f64>,
     /// Sender system calls per delivered batch (`--syscalls`).
     pub syscalls_per_delivered_batch: Option<f64>,
+    /// `h2-writev`: the sender's write, park and flow-control counters over its whole run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub h2: Option<super::floor_h2::H2Counters>,
 }
 
 /// Size of a message's header: batch number and scheduled send time.
-const HEADER: usize = 16;
+pub(super) const HEADER: usize = 16;
 
-fn stamp(msg: &mut [u8], seq: u64, scheduled: f64) {
+pub(super) fn stamp(msg: &mut [u8], seq: u64, scheduled: f64) {
     msg[..8].copy_from_slice(&seq.to_le_bytes());
     msg[8..16].copy_from_slice(&scheduled.to_le_bytes());
 }
@@ -122,12 +168,13 @@ pub fn run_sender(
     match mode {
         FloorSender::Blocking => blocking(socks, rate, bytes, run),
         FloorSender::Tokio => with_tokio(socks, rate, bytes, run),
+        FloorSender::H2Writev => super::floor_h2::h2_writev(socks, rate, bytes, run),
     }
 }
 
 /// Sleeps until each batch is due (no spinning: spinning would be charged to the floor) and
 /// calls `send(seq, scheduled unix seconds)`.
-fn clocked(
+pub(super) fn clocked(
     rate: u64,
     run: Duration,
     mut send: impl FnMut(u64, f64) -> Result<(), String>,
@@ -229,27 +276,48 @@ fn with_tokio(socks: Vec<TcpStream>, rate: u64, bytes: usize, run: Duration) -> 
 /// Starts the sender process against `addr`.
 fn spawn_sender(addr: &str, cfg: &FloorConfig, run: Duration) -> Result<Child, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let sender = match cfg.sender {
-        FloorSender::Blocking => "blocking",
-        FloorSender::Tokio => "tokio",
-    };
+    let sender = cfg.sender.name();
     Command::new(exe)
         .args(["bench-floor", "--connect", addr, "--sender", sender])
         .args(["--connections", &cfg.connections.to_string()])
         .args(["--rate", &cfg.rate.to_string()])
         .args(["--bytes", &cfg.message_bytes.to_string()])
         .args(["--run-ms", &run.as_millis().to_string()])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot start the floor's sender: {e}"))
 }
 
 /// What one receiving connection saw.
-#[derive(Default)]
-struct Received {
+pub(super) struct Received {
     delivered: u64,
     lost: u64,
-    hist: Option<Histogram<u64>>,
+    last: Option<u64>,
+    hist: Histogram<u64>,
+}
+
+impl Received {
+    pub(super) fn new() -> Received {
+        Received {
+            delivered: 0,
+            lost: 0,
+            last: None,
+            hist: Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("bounds"),
+        }
+    }
+
+    /// One message (its batch number and scheduled send time first), received at `now`,
+    /// counted if `measuring`.
+    pub(super) fn note(&mut self, m: &[u8], now: f64, measuring: bool) {
+        let seq = u64::from_le_bytes(m[..8].try_into().expect("8 bytes"));
+        let ts = f64::from_le_bytes(m[8..16].try_into().expect("8 bytes"));
+        if measuring {
+            self.delivered += 1;
+            self.lost += self.last.map_or(0, |l| seq.saturating_sub(l + 1));
+            let _ = self.hist.record((((now - ts) * 1e9).max(1.0)) as u64);
+        }
+        self.last = Some(seq);
+    }
 }
 
 /// Reads fixed-size messages until EOF, counting those received while `measuring`.
@@ -258,10 +326,9 @@ async fn receive(
     bytes: usize,
     measuring: Arc<AtomicBool>,
 ) -> Received {
-    let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("bounds");
-    let mut out = Received::default();
+    let mut out = Received::new();
     let mut buf = vec![0u8; 64 * 1024];
-    let (mut have, mut last): (usize, Option<u64>) = (0, None);
+    let mut have = 0;
     loop {
         let n = match s.read(&mut buf[have..]).await {
             Ok(0) | Err(_) => break,
@@ -270,17 +337,10 @@ async fn receive(
         have += n;
         let now = kvbridge::clock::unix_seconds();
         let mut at = 0;
+        let on = measuring.load(Ordering::Relaxed);
         while have - at >= bytes {
-            let m = &buf[at..at + bytes];
-            let seq = u64::from_le_bytes(m[..8].try_into().expect("8 bytes"));
-            let ts = f64::from_le_bytes(m[8..16].try_into().expect("8 bytes"));
+            out.note(&buf[at..at + bytes], now, on);
             at += bytes;
-            if measuring.load(Ordering::Relaxed) {
-                out.delivered += 1;
-                out.lost += last.map_or(0, |l| seq.saturating_sub(l + 1));
-                let _ = h.record((((now - ts) * 1e9).max(1.0)) as u64);
-            }
-            last = Some(seq);
         }
         buf.copy_within(at..have, 0);
         have -= at;
@@ -288,7 +348,6 @@ async fn receive(
             buf.resize(have + bytes.max(64 * 1024), 0);
         }
     }
-    out.hist = Some(h);
     out
 }
 
@@ -304,7 +363,7 @@ pub async fn measure(cfg: &FloorConfig) -> Result<FloorResult, String> {
         .to_string();
     let bytes = cfg.message_bytes.max(HEADER);
     let run = cfg.warmup + cfg.duration + Duration::from_millis(500);
-    let mut child = spawn_sender(&addr, cfg, run)?;
+    let child = spawn_sender(&addr, cfg, run)?;
     let pid = child.id();
     let measuring = Arc::new(AtomicBool::new(false));
     let mut conns = Vec::new();
@@ -314,7 +373,10 @@ pub async fn measure(cfg: &FloorConfig) -> Result<FloorResult, String> {
             .map_err(|_| "floor: the sender did not connect within 20 s".to_string())?
             .map_err(|e| format!("floor: accept: {e}"))?;
         let _ = s.set_nodelay(true);
-        conns.push(tokio::spawn(receive(s, bytes, measuring.clone())));
+        conns.push(match cfg.sender {
+            FloorSender::H2Writev => tokio::spawn(super::floor_h2::receive(s, measuring.clone())),
+            _ => tokio::spawn(receive(s, bytes, measuring.clone())),
+        });
     }
     tokio::time::sleep(cfg.warmup).await;
     measuring.store(true, Ordering::SeqCst);
@@ -332,22 +394,24 @@ pub async fn measure(cfg: &FloorConfig) -> Result<FloorResult, String> {
     let syscalls = syscalls
         .map(proc_stats::SyscallCounter::finish)
         .transpose()?;
-    let status = tokio::task::spawn_blocking(move || child.wait())
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("floor: sender: {e}"))?;
-    if !status.success() {
-        return Err(format!("floor: the sender failed ({status})"));
+    if !output.status.success() {
+        return Err(format!("floor: the sender failed ({})", output.status));
     }
+    let h2 = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok());
     let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000_000, 3).expect("bounds");
     let (mut delivered, mut lost) = (0, 0);
     for c in conns {
         let r = c.await.map_err(|e| e.to_string())?;
         delivered += r.delivered;
         lost += r.lost;
-        if let Some(rh) = &r.hist {
-            h.add(rh).map_err(|e| e.to_string())?;
-        }
+        h.add(&r.hist).map_err(|e| e.to_string())?;
     }
     let batches = delivered * cfg.batches_per_message.max(1) as u64;
     let cpu = cpu0.zip(cpu1).map(|(a, b)| b - a);
@@ -369,6 +433,7 @@ pub async fn measure(cfg: &FloorConfig) -> Result<FloorResult, String> {
         syscalls_per_delivered_batch: syscalls
             .filter(|_| batches > 0)
             .map(|n| n as f64 / batches as f64),
+        h2,
     })
 }
 
@@ -392,5 +457,42 @@ pub fn table(r: &FloorResult, bridge_us: Option<f64>) -> String {
         r.sender_cpu_percent.map_or("-".into(), |v| format!("{v:.1}")),
         f(r.cpu_us_per_delivered_batch),
         f(r.syscalls_per_delivered_batch),
-    )
+    ) + &r.h2.map_or(String::new(), |n| {
+        format!(
+            "  h2-writev: {} writev, {} partial, {} EAGAIN, {} window stalls, {} reads\n",
+            n.writes, n.partial_writes, n.would_block, n.window_stalls, n.reads
+        )
+    })
+}
+
+/// The floor rows side by side (CPU µs per delivered batch and latency), with each row's and the
+/// bridge's ratio to the blocking floor (the prototype's question: is `h2-writev / blocking ≤ 1.2`?).
+pub fn summary(rows: &[FloorResult], bridge_us: Option<f64>) -> String {
+    let us = |s: FloorSender| {
+        rows.iter()
+            .find(|r| r.sender == s)
+            .and_then(|r| r.cpu_us_per_delivered_batch)
+    };
+    let base = us(FloorSender::Blocking).filter(|b| *b > 0.0);
+    let ratio = |x: Option<f64>| match (x, base) {
+        (Some(x), Some(b)) => format!("{:.2}", x / b),
+        _ => "-".into(),
+    };
+    let mut out = format!(
+        "floor side by side (µs per delivered batch; ratio to blocking):  bridge {} ({})",
+        bridge_us.map_or("-".into(), |v| format!("{v:.2}")),
+        ratio(bridge_us)
+    );
+    for r in rows {
+        out += &format!(
+            "  {} {} ({}; p50 {:.1} µs p99 {:.1} µs)",
+            r.sender.name(),
+            r.cpu_us_per_delivered_batch
+                .map_or("-".into(), |v| format!("{v:.2}")),
+            ratio(r.cpu_us_per_delivered_batch),
+            r.latency.p50_us,
+            r.latency.p99_us
+        );
+    }
+    out + "\n"
 }

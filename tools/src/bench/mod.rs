@@ -13,6 +13,7 @@
 
 pub mod checkpoints;
 pub mod floor;
+pub mod floor_h2;
 pub mod nats;
 pub mod proc_stats;
 pub mod reader;

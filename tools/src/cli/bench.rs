@@ -33,9 +33,18 @@ pub struct BenchArgs {
     /// After the run, measure the floor of the same shape with no gRPC, HTTP/2 or bridge: a
     /// sender process writing one message of a delivered frame's mean size per connection per
     /// batch, at the same rate, over as many loopback TCP connections; once with blocking writes
-    /// from one thread (the bare kernel cost) and once from one tokio task per connection.
+    /// from one thread (the bare kernel cost) and once from one tokio task per connection
+    /// (the senders are `--floor-senders`).
     #[arg(long)]
     floor: bool,
+    /// With --floor: the floor senders to run, in this order (`h2-writev`: the blocking shape
+    /// with hand-written HTTP/2 and gRPC framing, one `writev` per connection per batch).
+    #[arg(
+        long = "floor-senders",
+        default_value = "blocking,tokio",
+        requires = "floor"
+    )]
+    floor_senders: bench::floor::FloorSenders,
     /// Shared-memory reader processes.
     #[arg(long = "shm-readers", default_value_t = 1)]
     shm_readers: usize,
@@ -343,7 +352,7 @@ pub(super) fn run(a: BenchArgs) -> Result<(), CliError> {
     if a.floor {
         // The bridge this bench started is stopped first: the floor runs alone.
         drop(own);
-        grpc_floor(&rt, &cfg, &mut result)?;
+        grpc_floor(&rt, &cfg, a.floor_senders, &mut result)?;
     }
     write_json(a.json.as_deref(), &result)
 }
@@ -561,21 +570,20 @@ fn scrape_at(
     })
 }
 
-/// `--floor`: the same deliveries as bare loopback TCP writes (blocking and tokio senders), one
-/// message per connection per batch, after the bridge stopped.
+/// `--floor`: the same deliveries as bare loopback TCP writes (the `--floor-senders`), one
+/// message per connection per batch, after the bridge stopped. The `h2-writev` sender carries
+/// the same bytes per connection per batch as one gRPC message in one DATA frame.
 fn grpc_floor(
     rt: &tokio::runtime::Runtime,
     cfg: &BenchConfig,
+    senders: bench::floor::FloorSenders,
     result: &mut bench::BenchResult,
 ) -> Result<(), CliError> {
     // A gRPC frame on the wire: the record, its 5-byte gRPC prefix and the 9-byte HTTP/2 DATA
     // frame header; a connection carries one per subscriber on it per batch.
     let per_conn = cfg.subscribers.div_ceil(cfg.connections).max(1);
     let record = (result.delivered_mb * 1e6 / result.grpc.delivered.max(1) as f64).round();
-    for sender in [
-        bench::floor::FloorSender::Blocking,
-        bench::floor::FloorSender::Tokio,
-    ] {
+    for sender in senders.iter() {
         let f = bench::floor::FloorConfig {
             rate: cfg.rate,
             duration: cfg.duration,
@@ -595,6 +603,10 @@ fn grpc_floor(
         );
         result.floor.push(r);
     }
+    print!(
+        "{}",
+        bench::floor::summary(&result.floor, result.cpu_us_per_delivered_batch)
+    );
     Ok(())
 }
 
