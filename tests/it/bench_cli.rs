@@ -52,11 +52,9 @@ fn bench_runs_and_reports_zero_loss() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("p99"));
 }
 
-/// `kvbridge bench --floor`: after the run, the same shape without gRPC (a sender process
-/// writing one frame-sized message per connection per batch) is measured with both senders,
-/// every message arrives in order and the sender's CPU is reported.
-#[test]
-fn bench_floor_reports_both_senders_without_loss() {
+/// A short `kvbridge bench --floor` (200 batches/s for 2 s, 4 subscribers on 2 connections, no
+/// shm readers) with `extra` flags: its JSON result and its stdout. Fails unless it exits 0.
+fn small_floor_bench(extra: &[&str]) -> (serde_json::Value, String) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("r.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
@@ -69,18 +67,28 @@ fn bench_floor_reports_both_senders_without_loss() {
             "--shm-readers",
             "0",
         ])
-        .args(["--ring-size", "8MiB", "--floor", "--json"])
+        .args(["--ring-size", "8MiB", "--floor"])
+        .args(extra)
+        .arg("--json")
         .arg(&json)
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "stdout:\n{text}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (r, text)
+}
+
+/// `kvbridge bench --floor`: after the run, the same shape without gRPC (a sender process
+/// writing one frame-sized message per connection per batch) is measured with both senders,
+/// every message arrives in order and the sender's CPU is reported.
+#[test]
+fn bench_floor_reports_both_senders_without_loss() {
+    let (r, text) = small_floor_bench(&[]);
     let floor = r["floor"].as_array().expect("floor rows");
     let senders: Vec<&str> = floor
         .iter()
@@ -118,37 +126,7 @@ fn bench_floor_reports_both_senders_without_loss() {
 /// order, to real HTTP/2 clients, and its CPU and write counters are reported.
 #[test]
 fn bench_floor_h2_writev_sender_delivers_without_loss() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("r.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbridge"))
-        .args(["bench", "--rate", "200", "--duration", "2", "--warmup", "1"])
-        .args([
-            "--subscribers",
-            "4",
-            "--connections",
-            "2",
-            "--shm-readers",
-            "0",
-        ])
-        .args([
-            "--ring-size",
-            "8MiB",
-            "--floor",
-            "--floor-senders",
-            "h2-writev",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "stdout:\n{text}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (r, text) = small_floor_bench(&["--floor-senders", "h2-writev"]);
     let floor = r["floor"].as_array().expect("floor rows");
     assert_eq!(floor.len(), 1, "{r}");
     let f = &floor[0];
