@@ -2,11 +2,9 @@
 //! needs `protoc`. proto3 `optional` fields (used throughout the SMG superset) need protoc ≥ 3.15,
 //! which a fresh machine does not have.
 //!
-//! Two generations from one descriptor set:
-//! - `OUT_DIR/*.rs`: the messages and the four clients (tests, `kvbridge subscribe`);
-//! - `OUT_DIR/server/*.rs`: the four servers, with `KvEventBatch` mapped to
-//!   `crate::fanout::EncodedBatch` — bytes the decoder already encoded once at ingest, which the
-//!   server copies to the socket as they are (no per-subscriber re-encode).
+//! It generates the messages and the four clients (tests, `kvbridge subscribe`). No servers: the
+//! one call is served by hand (`src/fanout/service.rs`), since its responses are records the
+//! decoder encoded once at ingest and the ring framed once at commit.
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -30,19 +28,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(false)
         .build_client(true)
-        .compile_fds(fds.clone())?;
-
-    let server_out = out.join("server");
-    std::fs::create_dir_all(&server_out)?;
-    tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(false)
-        .out_dir(&server_out)
-        .extern_path(
-            ".smg.grpc.common.KvEventBatch",
-            "crate::fanout::EncodedBatch",
-        )
-        .extern_path(".smg.grpc.common", "crate::proto::common")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -243,6 +243,9 @@ enum Stream {
 /// deadline enforced until the HTTP/2 preface and first SETTINGS frame have been read.
 pub struct EdgeIo {
     stream: Stream,
+    /// Bytes HTTP/2 wrote that are not on the socket yet ([`WRITE_COMBINE`]), from `wpos`.
+    wbuf: Vec<u8>,
+    wpos: usize,
     handshake: Option<Box<Handshake>>,
     info: tonic::transport::server::TcpConnectInfo,
     timeouts: prometheus::IntCounter,
@@ -267,6 +270,8 @@ impl EdgeIo {
         };
         EdgeIo {
             stream,
+            wbuf: Vec::new(),
+            wpos: 0,
             handshake: Some(Box::new(Handshake {
                 deadline: Box::pin(tokio::time::sleep(timeout)),
                 head: [0; HEAD],
@@ -360,38 +365,75 @@ impl AsyncRead for EdgeIo {
     }
 }
 
+/// Most bytes [`EdgeIo`] holds between a write and the flush that sends them.
+///
+/// Why writes are combined: h2 writes a DATA frame of 1 KiB or more (its payload not copied) in
+/// a write of its own after its buffer, and a connection's other frames (HEADERS, WINDOW_UPDATE,
+/// a small DATA) wait for their next flush. Holding what h2 writes until it flushes — it flushes
+/// after every round of frames, and when it needs room — turns each round into one system call.
+/// h2 is told the stream is not vectored (`is_write_vectored`), so it copies DATA below 1 KiB
+/// into its 16 KiB buffer instead of writing each one alone: the streams sharing a connection
+/// then share its writes (measured in docs/performance.md).
+pub const WRITE_COMBINE: usize = 64 << 10;
+/// Capacity of the combining buffer a connection keeps between writes.
+const KEEP_WRITE_BUF: usize = 16 << 10;
+
+impl EdgeIo {
+    /// Writes what is held, until all of it is on the socket (or the socket is full).
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.wpos < self.wbuf.len() {
+            let (buf, pos) = (std::mem::take(&mut self.wbuf), self.wpos);
+            let r = self.poll_io(cx, |s, cx| s.poll_write(cx, &buf[pos..]));
+            self.wbuf = buf;
+            match ready!(r)? {
+                0 => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                n => self.wpos += n,
+            }
+        }
+        self.wpos = 0;
+        if self.wbuf.capacity() > KEEP_WRITE_BUF {
+            // After a burst (a subscriber catching up): no 64 KiB kept per idle connection.
+            self.wbuf = Vec::new();
+        } else {
+            self.wbuf.clear();
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
 impl AsyncWrite for EdgeIo {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.get_mut().poll_io(cx, |s, cx| s.poll_write(cx, buf))
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        self.get_mut()
-            .poll_io(cx, |s, cx| s.poll_write_vectored(cx, bufs))
+        let this = self.get_mut();
+        if this.wbuf.len() + buf.len() > WRITE_COMBINE {
+            ready!(this.poll_drain(cx))?;
+        }
+        if buf.len() >= WRITE_COMBINE {
+            // Too large to hold: straight to the socket (nothing is held at this point).
+            return this.poll_io(cx, |s, cx| s.poll_write(cx, buf));
+        }
+        this.wbuf.extend_from_slice(buf);
+        Poll::Ready(Ok(buf.len()))
     }
 
     fn is_write_vectored(&self) -> bool {
-        match &self.stream {
-            Stream::Plain(s) => s.is_write_vectored(),
-            Stream::Tls(s) => s.is_write_vectored(),
-            _ => false,
-        }
+        false
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.get_mut().poll_io(cx, |s, cx| s.poll_flush(cx))
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        this.poll_io(cx, |s, cx| s.poll_flush(cx))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if matches!(this.stream, Stream::Plain(_) | Stream::Tls(_)) {
+            ready!(this.poll_drain(cx))?;
+        }
         match &mut this.stream {
             Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),

@@ -139,7 +139,9 @@ pub use ring::RingArgs;
 pub use security::SecurityArgs;
 pub use snapshot::SnapshotArgs;
 pub use streaming::{ProfileArg, StreamingArgs};
-pub use values::{parse_addr, parse_duration, parse_size, validate_endpoint, ByteSize};
+pub use values::{
+    parse_addr, parse_duration, parse_short_duration, parse_size, validate_endpoint, ByteSize,
+};
 
 use crate::sink::NatsConfig;
 

@@ -48,6 +48,15 @@ fn duration_text(d: Duration) -> String {
     }
 }
 
+/// A duration as [`super::parse_short_duration`] reads it.
+fn short_duration_text(d: Duration) -> String {
+    match d.as_micros() {
+        0 => "0".into(),
+        us if us % 1000 == 0 => format!("{}ms", us / 1000),
+        us => format!("{us}us"),
+    }
+}
+
 /// The name a value enum's default has on the command line.
 fn enum_text<T: clap::ValueEnum + Default>() -> String {
     T::default()
@@ -105,6 +114,10 @@ pub fn serve_defaults() -> Vec<(&'static str, String)> {
         (
             "handshake_timeout_ms",
             DEFAULT_HANDSHAKE_TIMEOUT_MS.to_string(),
+        ),
+        (
+            "fanout_linger",
+            short_duration_text(crate::fanout::DEFAULT_FANOUT_LINGER),
         ),
         // Operations.
         (

@@ -412,6 +412,11 @@ fn rows(dir: &Path) -> Vec<Row> {
             "handshake-timeout-ms = 2500",
             "handshake-timeout-ms = 3000",
         ),
+        row(
+            "--fanout-linger 2ms",
+            "fanout-linger = \"2ms\"",
+            "fanout-linger = \"500us\"",
+        ),
         // Security.
         row(
             &format!("--tls-cert {cert} --tls-key {key}"),

@@ -78,6 +78,29 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?}: must be more than 0 and fit in 64 bits of seconds"))
 }
 
+/// A short duration: `0`, or a whole number with `us`, `ms` or `s` (`500us`, `2ms`, `1s`), at
+/// most `max`.
+pub fn parse_short_duration(s: &str, max: Duration) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("not a duration: {s:?} (try 0, 500us, 2ms or 1s)"))?;
+    let d = match unit.trim() {
+        "" if n == 0 => Duration::ZERO,
+        "" => return Err(format!("{s:?}: give a unit (us, ms or s), e.g. {n}ms")),
+        "us" | "µs" => Duration::from_micros(n),
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        u => return Err(format!("unknown unit {u:?} in {s:?} (use us, ms or s)")),
+    };
+    if d > max {
+        return Err(format!("{s:?}: at most {max:?}"));
+    }
+    Ok(d)
+}
+
 /// Checks an endpoint's shape and, for a connecting socket, rewrites wildcard hosts to loopback
 /// (ZMQ cannot connect to a wildcard; docs/engine-wire.md §2.1).
 pub fn validate_endpoint(ep: &str, connect: bool) -> Result<String, String> {

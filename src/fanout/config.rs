@@ -1,5 +1,5 @@
 //! The gRPC edge's settings: what `--grpc`, `--dp-mode`, `--send-dp-rank`, `--profile`,
-//! `--max-subscribers`, `--max-streams-per-connection` and `--handshake-timeout-ms` (or the TOML
+//! `--max-subscribers`, `--max-streams-per-connection`, `--handshake-timeout-ms` and `--fanout-linger` (or the TOML
 //! file) resolve to, and their defaults and limits. The edge owns them; `crate::config` only
 //! parses and validates the flags into them.
 
@@ -20,6 +20,11 @@ pub const DEFAULT_MAX_SUBSCRIBERS: usize = 10_000;
 pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 100;
 /// Default time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// Default `--fanout-linger`: how long a stream's ready records wait for more before they are
+/// written together. Chosen from measurement (docs/performance.md, "Bounded batching").
+pub const DEFAULT_FANOUT_LINGER: Duration = Duration::ZERO;
+/// Longest `--fanout-linger` accepted.
+pub const MAX_FANOUT_LINGER: Duration = Duration::from_secs(1);
 /// Longest handshake timeout accepted (ms).
 pub const MAX_HANDSHAKE_TIMEOUT_MS: u64 = 600_000;
 
@@ -51,4 +56,6 @@ pub struct FanoutConfig {
     pub max_streams_per_connection: u32,
     /// Time a gRPC connection has to complete TLS and send the HTTP/2 preface and SETTINGS.
     pub handshake_timeout: Duration,
+    /// How long a stream's ready records wait for more before they are written together.
+    pub linger: Duration,
 }

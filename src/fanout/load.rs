@@ -15,12 +15,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use bytes::Bytes;
 use futures_util::Stream;
 use prost::Message;
 use tonic::Status;
 
-use super::EncodedBatch;
+use super::{EncodedBatch, Outgoing};
 use crate::proto::common as pb;
 
 /// One answer of the engine: a load per DP rank (`None`: the engine has a single rank).
@@ -57,7 +56,7 @@ fn sequence_of(mut buf: &[u8]) -> Option<u64> {
 }
 
 /// The `load_only` batches of `sample`, numbered `seq`.
-fn records(sample: &LoadSample, seq: u64) -> Vec<EncodedBatch> {
+fn records(sample: &LoadSample, seq: u64) -> Vec<Outgoing> {
     let age = sample.at.elapsed().as_millis().min(u32::MAX as u128) as u32;
     let now = crate::clock::unix_nanos() as f64 * 1e-9;
     sample
@@ -74,7 +73,7 @@ fn records(sample: &LoadSample, seq: u64) -> Vec<EncodedBatch> {
                 snapshot: None,
                 load: Some(load),
             };
-            EncodedBatch(Bytes::from(batch.encode_to_vec()))
+            Outgoing::made(EncodedBatch::frame(&batch.encode_to_vec()))
         })
         .collect()
 }
@@ -88,13 +87,13 @@ pub struct WithLoadRecords<S> {
     inner: S,
     samples: SampleStream,
     last_seq: u64,
-    pending: VecDeque<EncodedBatch>,
+    pending: VecDeque<Outgoing>,
 }
 
 /// Wraps a subscriber's stream (only one that set request field 2) with load records.
 pub fn with_load_records<S>(inner: S, mut feed: LoadFeed) -> WithLoadRecords<S>
 where
-    S: Stream<Item = Result<EncodedBatch, Status>> + Send + Unpin,
+    S: Stream<Item = Result<Outgoing, Status>> + Send + Unpin,
 {
     feed.mark_changed();
     let samples = futures_util::stream::unfold(feed, |mut feed| async move {
@@ -112,9 +111,9 @@ where
 
 impl<S> Stream for WithLoadRecords<S>
 where
-    S: Stream<Item = Result<EncodedBatch, Status>> + Send + Unpin,
+    S: Stream<Item = Result<Outgoing, Status>> + Send + Unpin,
 {
-    type Item = Result<EncodedBatch, Status>;
+    type Item = Result<Outgoing, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
@@ -123,7 +122,7 @@ where
         }
         match Pin::new(&mut this.inner).poll_next(cx) {
             Poll::Ready(Some(Ok(b))) => {
-                if let Some(seq) = sequence_of(&b.0) {
+                if let Some(seq) = sequence_of(b.batch.record()) {
                     this.last_seq = seq;
                 }
                 return Poll::Ready(Some(Ok(b)));

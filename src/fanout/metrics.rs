@@ -24,7 +24,7 @@ pub struct FanoutMetrics {
     /// Batches a subscriber was sent from history it caught up on (ingested before it
     /// subscribed): not live sends, so not in `send_latency`.
     pub catchup_sends: IntCounterVec,
-    /// Per-subscriber lag (N − the sequence just handed off), observed at every hand-off.
+    /// Per-subscriber lag (N − the newest sequence just written), observed once per write.
     pub subscriber_lag: Histogram,
     /// Subscribers disconnected for being too slow (DATA_LOSS), per path.
     pub slow_disconnects: IntCounterVec,
@@ -63,7 +63,7 @@ impl FanoutMetrics {
             ),
             subscriber_lag: m.histogram(
                 "subscriber_lag_batches",
-                "Newest sequence minus the one just handed to a subscriber, per hand-off",
+                "Newest sequence minus the newest one just written to a subscriber, per write (a write carries one record or several)",
                 std::iter::once(0.0)
                     .chain(prometheus::exponential_buckets(1.0, 4.0, 10).expect("buckets"))
                     .collect(),

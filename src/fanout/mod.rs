@@ -4,8 +4,9 @@
 //! cursor"): a resume replays `S+1 …` and then simply keeps reading as new records are
 //! committed, so there is no switch-over to get wrong. Records are encoded once, at ingest; a
 //! live subscriber gets the shared [`Bytes`] from the hub's recent-record cache, an older one a
-//! validated copy from the ring. The server hands those bytes to tonic as an [`EncodedBatch`],
-//! whose `prost::Message` implementation writes them verbatim.
+//! validated copy from the ring, each as one framed gRPC message ([`EncodedBatch`]). The server
+//! (`service.rs`) writes those bytes as HTTP/2 DATA as they are (`body.rs`): no per-subscriber
+//! encode or copy, and with `--fanout-linger` several records in one write.
 //!
 //! The stream is pull-driven: the next record is read only when the transport asks for it,
 //! which is when HTTP/2 flow control has room. A subscriber that stops reading therefore costs
@@ -17,6 +18,7 @@
 //! later fresh subscribers start after it (the hub remembers it). Records from the recent cache
 //! were copied at commit time and need no check.
 
+mod body;
 mod config;
 mod load;
 mod metrics;
@@ -28,50 +30,74 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes};
+use bytes::Bytes;
 use kvbridge_shm::{ReadOutcome, RingReader, SeekError};
 use tonic::Status;
 
 use crate::ring::RingHub;
 
 pub use config::{
-    DpMode, FanoutConfig, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
-    DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_HANDSHAKE_TIMEOUT_MS,
+    DpMode, FanoutConfig, DEFAULT_FANOUT_LINGER, DEFAULT_GRPC, DEFAULT_HANDSHAKE_TIMEOUT_MS,
+    DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_FANOUT_LINGER,
+    MAX_HANDSHAKE_TIMEOUT_MS,
 };
 pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
 pub use metrics::FanoutMetrics;
 pub use service::{edge, service_names, Edge, EdgeOptions, EdgeParts};
 
-/// A `KvEventBatch` already in its wire encoding. Its `prost::Message` implementation writes the
-/// bytes as they are, so tonic's codec copies them to the transport buffer without re-encoding.
-#[derive(Clone, Default, PartialEq)]
-pub struct EncodedBatch(pub Bytes);
+/// One `KvEventBatch` as the gRPC edge sends it: a length-prefixed gRPC message (the 5-byte
+/// prefix, then the record's encoding). Live records are framed once, at commit, in the ring's
+/// recent cache ([`crate::ring::grpc_framed`]), and every subscriber sends that same buffer.
+#[derive(Clone, PartialEq)]
+pub struct EncodedBatch(Bytes);
 
-impl std::fmt::Debug for EncodedBatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "EncodedBatch({} bytes)", self.0.len())
+impl EncodedBatch {
+    /// Frames `record` (an encoded `KvEventBatch`): one allocation and copy.
+    pub fn frame(record: &[u8]) -> Self {
+        EncodedBatch(crate::ring::grpc_framed(record))
+    }
+
+    /// Bytes that are already one framed message (from the ring's recent cache).
+    fn from_framed(b: Bytes) -> Self {
+        debug_assert!(b.len() >= crate::ring::GRPC_PREFIX_LEN);
+        EncodedBatch(b)
+    }
+
+    /// The encoded `KvEventBatch`, without the gRPC prefix.
+    pub fn record(&self) -> &[u8] {
+        &self.0[crate::ring::GRPC_PREFIX_LEN..]
+    }
+
+    /// The framed message, as it goes on the wire.
+    pub fn wire(&self) -> &Bytes {
+        &self.0
     }
 }
 
-impl prost::Message for EncodedBatch {
-    fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.0);
+/// A record on its way to one subscriber, with what its metrics need.
+pub struct Outgoing {
+    /// The framed record.
+    pub batch: EncodedBatch,
+    /// When it was ingested (Unix ns); 0 for records kvbridge made (snapshot chunks, load).
+    pub ingest_ns: u64,
+    /// The subscriber's lag after this record (newest − its sequence number).
+    pub lag: u64,
+}
+
+impl Outgoing {
+    /// A record kvbridge made, not one ingested (no latency, no lag).
+    pub fn made(batch: EncodedBatch) -> Self {
+        Outgoing {
+            batch,
+            ingest_ns: 0,
+            lag: 0,
+        }
     }
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: prost::encoding::WireType,
-        buf: &mut impl Buf,
-        ctx: prost::encoding::DecodeContext,
-    ) -> Result<(), prost::DecodeError> {
-        // The server only ever encodes these; decoding is not a path it takes.
-        prost::encoding::skip_field(wire_type, tag, buf, ctx)
-    }
-    fn encoded_len(&self) -> usize {
-        self.0.len()
-    }
-    fn clear(&mut self) {
-        self.0 = Bytes::new();
+}
+
+impl std::fmt::Debug for EncodedBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EncodedBatch({} bytes)", self.record().len())
     }
 }
 
@@ -85,7 +111,7 @@ pub const DP_RANK_HEADER: &str = "kvbridge-dp-rank";
 pub const RING_ID_HEADER: &str = "kvbridge-ring-id";
 
 /// The [`RING_ID_HEADER`] value of ring `id`.
-fn ring_id_value(id: u64) -> tonic::metadata::AsciiMetadataValue {
+fn ring_id_value(id: u64) -> http::HeaderValue {
     format!("{id:016x}")
         .parse()
         .expect("hex digits are a valid metadata value")
@@ -108,6 +134,8 @@ pub struct Fanout {
     load_feed: std::sync::OnceLock<LoadFeed>,
     /// Snapshot tables; `None`: the retained window only.
     snapshots: Option<crate::snapshot::Snapshots>,
+    /// How long a stream's ready records wait for more before they are written (`--fanout-linger`).
+    linger: Duration,
 }
 
 /// Every `outcome` of `kvbridge_subscribe_outcomes_total` (docs/operations.md).
@@ -140,7 +168,15 @@ impl Fanout {
             shutdown,
             load_feed: std::sync::OnceLock::new(),
             snapshots: None,
+            linger: Duration::ZERO,
         }
+    }
+
+    /// Ready records wait at most `linger` for more before they are written together
+    /// (`--fanout-linger`; zero: written at once).
+    pub fn with_linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
+        self
     }
 
     /// Sidecar mode: send the engine's load samples to subscribers that ask for load records.
@@ -407,20 +443,27 @@ impl Subscription {
     /// The next record for this subscriber: waits for it when the cursor is at the head; ends
     /// with `DATA_LOSS` when the ring overwrote it, `UNAVAILABLE` at shutdown. `None` after an
     /// error has been returned.
-    pub async fn next_batch(&mut self) -> Option<Result<EncodedBatch, Status>> {
+    pub async fn next_batch(&mut self) -> Option<Result<Outgoing, Status>> {
         if self.done {
             return None;
         }
-        let r = self.next_inner().await;
-        if r.is_err() {
-            self.done = true;
+        match self.next_inner().await {
+            Ok(batch) => Some(Ok(Outgoing {
+                batch,
+                ingest_ns: self.last_ingest_ns,
+                lag: self.lag(),
+            })),
+            Err(s) => {
+                self.done = true;
+                Some(Err(s))
+            }
         }
-        Some(r)
     }
 
     async fn next_inner(&mut self) -> Result<EncodedBatch, Status> {
         if let Some(chunk) = self.pending.pop() {
-            return Ok(EncodedBatch(chunk));
+            self.last_ingest_ns = 0;
+            return Ok(EncodedBatch::frame(&chunk));
         }
         loop {
             if *self.shutdown.borrow() {
@@ -443,7 +486,7 @@ impl Subscription {
             if let Some((b, ingest_ns)) = self.hub.cached_at(self.next) {
                 self.last_ingest_ns = ingest_ns;
                 self.next += 1;
-                return Ok(EncodedBatch(b));
+                return Ok(EncodedBatch::from_framed(b));
             }
             if self.next > self.hub.newest() {
                 // Shutdown and a ring failure both wake every waiter after setting their flag.
@@ -464,7 +507,7 @@ impl Subscription {
                 ReadOutcome::Record(v) => {
                     debug_assert_eq!(v.seq(), self.next);
                     let ingest_ns = v.meta().ingest_ns;
-                    // Copied straight into the buffer handed to the transport: one copy, and
+                    // Copied out (validated), then framed: catch-up beyond the cache only, and
                     // nothing the size of the largest record kept per subscriber afterwards.
                     let mut record = Vec::new();
                     if !v.copy_to(&mut record) {
@@ -472,7 +515,7 @@ impl Subscription {
                     }
                     self.last_ingest_ns = ingest_ns;
                     self.next += 1;
-                    return Ok(EncodedBatch(Bytes::from(record)));
+                    return Ok(EncodedBatch::frame(&record));
                 }
                 ReadOutcome::Lapped { resume_at, .. } => return Err(self.lapped(resume_at)),
                 ReadOutcome::Corrupt { seq, .. } => return Err(self.corrupt(seq)),

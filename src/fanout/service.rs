@@ -1,44 +1,27 @@
-//! The tonic side: the four generated servers (from `proto/services/`), all delegating to one
-//! [`Fanout`], plus the HTTP/2 settings SMG gateways need (docs/smg-api.md §3.1).
+//! The gRPC side: `SubscribeKvEvents` on the four SMG paths (from `proto/services/`), all
+//! delegating to one [`Fanout`], plus the HTTP/2 settings SMG gateways need (docs/smg-api.md
+//! §3.1).
+//!
+//! The call is served by hand ([`Subscribe`]) rather than by tonic's generated servers, because
+//! the response is already on the wire format: every record is one framed gRPC message, and the
+//! body (`body.rs`) writes it as it is. The request side is the generated message type,
+//! decoded from the one length-prefixed message a server-streaming call carries.
 
-use std::pin::Pin;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Buf;
 use futures_util::Stream;
-use tonic::{Request, Response, Status};
+use http_body_util::BodyExt;
+use tonic::Status;
 
-use super::{code_label, EncodedBatch, Fanout, DP_RANK_HEADER};
+use super::body::{Accounting, Records, RecordsBody};
+use super::{Fanout, DP_RANK_HEADER};
 use crate::proto::common::SubscribeKvEventsRequest;
 
-/// Server code generated with `KvEventBatch` mapped to [`EncodedBatch`] (see `build.rs`).
-#[allow(missing_docs, unreachable_pub, clippy::all)]
-mod generated {
-    pub mod sglang {
-        include!(concat!(env!("OUT_DIR"), "/server/sglang.grpc.scheduler.rs"));
-    }
-    pub mod vllm {
-        include!(concat!(env!("OUT_DIR"), "/server/vllm.grpc.engine.rs"));
-    }
-    pub mod tokenspeed {
-        include!(concat!(
-            env!("OUT_DIR"),
-            "/server/tokenspeed.grpc.scheduler.rs"
-        ));
-    }
-    pub mod trtllm {
-        include!(concat!(env!("OUT_DIR"), "/server/trtllm.rs"));
-    }
-}
-use generated::sglang::sglang_scheduler_server::SglangSchedulerServer;
-use generated::tokenspeed::token_speed_scheduler_server::TokenSpeedSchedulerServer;
-use generated::trtllm::trtllm_service_server::TrtllmServiceServer;
-use generated::vllm::vllm_engine_server::VllmEngineServer;
-use generated::*;
-
-/// The response stream of every path.
-pub(super) type BatchStream =
-    Pin<Box<dyn Stream<Item = Result<EncodedBatch, Status>> + Send + 'static>>;
+/// Most bytes a `SubscribeKvEventsRequest` may take (it is two small fields).
+const MAX_REQUEST_BYTES: usize = 64 << 10;
 
 /// One handle per path, so that metrics can tell the paths apart.
 #[derive(Clone)]
@@ -73,6 +56,35 @@ fn bearer_ok(md: &tonic::metadata::MetadataMap, want: &[u8]) -> bool {
     scheme.eq_ignore_ascii_case("bearer") && constant_time_eq(token.trim().as_bytes(), want)
 }
 
+/// The one message of a unary request body: `SubscribeKvEventsRequest`, uncompressed (kvbridge
+/// announces no request compression, so a compressed one is refused as gRPC says).
+async fn read_request(body: tonic::body::Body) -> Result<SubscribeKvEventsRequest, Status> {
+    let bytes = http_body_util::Limited::new(body, MAX_REQUEST_BYTES)
+        .collect()
+        .await
+        .map_err(|e| Status::invalid_argument(format!("reading the request failed: {e}")))?
+        .to_bytes();
+    let mut buf = &bytes[..];
+    if buf.len() < crate::ring::GRPC_PREFIX_LEN {
+        return Err(Status::internal("Missing request message."));
+    }
+    let compressed = buf.get_u8();
+    let len = buf.get_u32() as usize;
+    if compressed != 0 {
+        return Err(Status::unimplemented(
+            "compressed requests are not supported: send SubscribeKvEventsRequest uncompressed",
+        ));
+    }
+    if buf.len() < len {
+        return Err(Status::internal("the request message is truncated"));
+    }
+    prost::Message::decode(&buf[..len]).map_err(|e| {
+        Status::internal(format!(
+            "the request is not a SubscribeKvEventsRequest: {e}"
+        ))
+    })
+}
+
 impl PathHandler {
     /// `authorization: Bearer <token>` when a token is configured; else `UNAUTHENTICATED`.
     fn check_auth(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
@@ -83,28 +95,75 @@ impl PathHandler {
         if ok {
             return Ok(());
         }
-        let m = &self.fanout.metrics;
-        m.auth_failures.inc();
-        m.statuses
-            .with_label_values(&[code_label(tonic::Code::Unauthenticated)])
-            .inc();
-        Err(Status::unauthenticated(
+        self.fanout.metrics.auth_failures.inc();
+        Err(self.fanout.status(Status::unauthenticated(
             "missing or wrong bearer token: send metadata `authorization: Bearer <token>`",
-        ))
+        )))
     }
 
+    /// One call: the request read and checked, then the response headers and the stream.
+    async fn serve(
+        self,
+        req: http::Request<tonic::body::Body>,
+    ) -> http::Response<tonic::body::Body> {
+        if req.uri().path() != self.path {
+            return Status::unimplemented(format!(
+                "{}: kvbridge serves only SubscribeKvEvents",
+                req.uri().path()
+            ))
+            .into_http();
+        }
+        let (parts, body) = req.into_parts();
+        let md = tonic::metadata::MetadataMap::from_headers(parts.headers);
+        let opened = match self.check_auth(&md) {
+            Ok(()) => match read_request(body).await {
+                Ok(msg) => self.open(&md, msg).await,
+                Err(s) => Err(self.fanout.status(s)),
+            },
+            Err(s) => Err(s),
+        };
+        let (records, ring_id) = match opened {
+            Ok(o) => o,
+            Err(s) => return s.into_http(),
+        };
+        let acct = Accounting {
+            latency: self
+                .fanout
+                .metrics
+                .send_latency
+                .with_label_values(&[self.path]),
+            catchup: self
+                .fanout
+                .metrics
+                .catchup_sends
+                .with_label_values(&[self.path]),
+            opened_ns: crate::clock::unix_nanos(),
+            metrics: self.fanout.metrics.clone(),
+        };
+        let body = RecordsBody::new(records, self.fanout.linger, acct);
+        let mut response = http::Response::new(tonic::body::Body::new(body));
+        let headers = response.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        // Which ring the numbers belong to: the same id after a kvbridge restart on its ring
+        // (a continuation), another after a ring reset (docs/subscribers.md).
+        headers.insert(super::RING_ID_HEADER, ring_id);
+        response
+    }
+
+    /// Opens the subscription: its records (with load records if asked for and available)
+    /// and the id of the ring they come from.
     async fn open(
         &self,
-        req: Request<SubscribeKvEventsRequest>,
-    ) -> Result<Response<BatchStream>, Status> {
-        self.check_auth(req.metadata())?;
-        let rank = req
-            .metadata()
-            .get(DP_RANK_HEADER)
-            .map(|v| v.as_bytes().to_vec());
-        let start = req.get_ref().start_sequence_number;
+        md: &tonic::metadata::MetadataMap,
+        req: SubscribeKvEventsRequest,
+    ) -> Result<(Records, http::HeaderValue), Status> {
+        let rank = md.get(DP_RANK_HEADER).map(|v| v.as_bytes().to_vec());
+        let start = req.start_sequence_number;
         // Request field 2: the client takes snapshot chunks (§6.5) and load records (§3.5).
-        let wants_load = req.get_ref().load_records_before_first_batch;
+        let wants_load = req.load_records_before_first_batch;
         // A subscriber from 0 may be sent a snapshot, and building one copies the block table
         // (tens of milliseconds for a million blocks, behind any ZMQ replay copying it): that
         // runs on a blocking thread, not on a worker that serves other streams meanwhile.
@@ -121,103 +180,55 @@ impl PathHandler {
         };
         tracing::debug!(path = self.path, start, "subscription opened");
         let ring_id = super::ring_id_value(sub.ring_id());
-        // Everything a delivery touches is resolved once here and moved through the stream's
-        // state: no label look-up, no reference-count traffic per delivered batch.
-        let state = Delivering {
-            latency: self
-                .fanout
-                .metrics
-                .send_latency
-                .with_label_values(&[self.path]),
-            catchup: self
-                .fanout
-                .metrics
-                .catchup_sends
-                .with_label_values(&[self.path]),
-            opened_ns: crate::clock::unix_nanos(),
-            metrics: self.fanout.metrics.clone(),
-            sub,
-        };
-        let stream = futures_util::stream::unfold(state, |mut st| async move {
-            let item = st.sub.next_batch().await?;
-            st.account(&item);
-            Some((item, st))
+        let stream = futures_util::stream::unfold(sub, |mut sub| async move {
+            let item = sub.next_batch().await?;
+            Some((item, sub))
         });
         // Load records (sidecar mode) only for clients that accept them (docs/smg-api.md §3.5).
-        let mut response = match (wants_load, self.fanout.load_feed.get()) {
-            (true, Some(feed)) => Response::new(Box::pin(super::with_load_records(
-                Box::pin(stream),
-                feed.clone(),
-            )) as BatchStream),
-            _ => Response::new(Box::pin(stream) as BatchStream),
+        let records: Records = match (wants_load, self.fanout.load_feed.get()) {
+            (true, Some(feed)) => {
+                Box::pin(super::with_load_records(Box::pin(stream), feed.clone()))
+            }
+            _ => Box::pin(stream),
         };
-        // Which ring the numbers belong to: the same id after a kvbridge restart on its ring
-        // (a continuation), another after a ring reset (docs/subscribers.md).
-        response
-            .metadata_mut()
-            .insert(super::RING_ID_HEADER, ring_id);
-        Ok(response)
+        Ok((records, ring_id))
     }
 }
 
-/// One open stream: its subscription and the metric handles every delivery updates.
-struct Delivering {
-    sub: super::Subscription,
-    metrics: Arc<super::FanoutMetrics>,
-    latency: prometheus::Histogram,
-    catchup: prometheus::IntCounter,
-    /// When the stream opened (Unix ns): records ingested before are catch-up, not live.
-    opened_ns: u64,
+/// `SubscribeKvEvents` of entry `I` of [`crate::proto::ENGINE_SERVICES`]: one type per service,
+/// since the router finds a service by its name.
+#[derive(Clone)]
+struct Subscribe<const I: usize>(PathHandler);
+
+impl<const I: usize> tonic::server::NamedService for Subscribe<I> {
+    const NAME: &'static str = crate::proto::ENGINE_SERVICES[I].service;
 }
 
-impl Delivering {
-    /// Counts a delivered batch (sizes, lag, ingest → hand-off latency) or an ending status.
-    fn account(&self, item: &Result<EncodedBatch, Status>) {
-        let m = &self.metrics;
-        match item {
-            Ok(b) => {
-                m.batches_sent.inc();
-                m.bytes_sent.inc_by(b.0.len() as u64);
-                m.subscriber_lag.observe(self.sub.lag() as f64);
-                // Live latency only: history a subscriber catches up on (a gateway's resume
-                // after a restart) would fill the histogram with the age of the ring instead.
-                let t = self.sub.last_ingest_ns();
-                if t >= self.opened_ns {
-                    let now = crate::clock::unix_nanos();
-                    self.latency.observe(now.saturating_sub(t) as f64 * 1e-9);
-                } else if t > 0 {
-                    self.catchup.inc();
-                }
-            }
-            Err(s) => {
-                m.statuses.with_label_values(&[code_label(s.code())]).inc();
-                if s.code() == tonic::Code::DataLoss {
-                    m.resumes.with_label_values(&["data_loss"]).inc();
-                }
-            }
-        }
+impl<const I: usize> tower::Service<http::Request<tonic::body::Body>> for Subscribe<I> {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let handler = self.0.clone();
+        Box::pin(async move { Ok(handler.serve(req).await) })
     }
 }
 
-macro_rules! impl_path {
-    ($module:ident :: $server_mod:ident :: $trait_:ident) => {
-        #[tonic::async_trait]
-        impl $module::$server_mod::$trait_ for PathHandler {
-            type SubscribeKvEventsStream = BatchStream;
-            async fn subscribe_kv_events(
-                &self,
-                request: Request<SubscribeKvEventsRequest>,
-            ) -> Result<Response<BatchStream>, Status> {
-                self.open(request).await
-            }
-        }
-    };
+impl<const I: usize> Subscribe<I> {
+    fn new(handler: &impl Fn(&'static str) -> PathHandler) -> Self {
+        Subscribe(handler(crate::proto::ENGINE_SERVICES[I].path))
+    }
 }
-
-impl_path!(sglang::sglang_scheduler_server::SglangScheduler);
-impl_path!(vllm::vllm_engine_server::VllmEngine);
-impl_path!(tokenspeed::token_speed_scheduler_server::TokenSpeedScheduler);
-impl_path!(trtllm::trtllm_service_server::TrtllmService);
 
 /// What the gRPC edge adds around `SubscribeKvEvents`: TLS, a bearer token, the stream limit
 /// per connection, the handshake deadline and the health service.
@@ -245,24 +256,6 @@ pub fn service_names() -> Vec<&'static str> {
         .iter()
         .map(|s| s.service)
         .collect()
-}
-
-/// The handler for generated server `S`: its path comes from [`crate::proto::ENGINE_SERVICES`],
-/// looked up by the generated service name, so the table and the servers cannot disagree.
-fn path_of<S: tonic::server::NamedService>() -> &'static str {
-    crate::proto::ENGINE_SERVICES
-        .iter()
-        .find(|s| s.service == S::NAME)
-        .map(|s| s.path)
-        .unwrap_or_else(|| panic!("{} is missing from ENGINE_SERVICES", S::NAME))
-}
-
-/// Generated server `S` around the handler for its own path.
-fn with_path<S: tonic::server::NamedService>(
-    new: impl FnOnce(PathHandler) -> S,
-    handler: &impl Fn(&'static str) -> PathHandler,
-) -> S {
-    new(handler(path_of::<S>()))
 }
 
 /// The gRPC edge, ready to serve: the router and what wraps every accepted connection.
@@ -316,12 +309,10 @@ fn routes_with(
     };
     let v1 = reflection().build_v1().expect("valid descriptor set");
     let v1alpha = reflection().build_v1alpha().expect("valid descriptor set");
-    // Records are kept under 4 MiB by the decoder's split threshold; the encode limit is left
-    // at tonic's default (unlimited) so a limit here can never turn a valid record into an error.
-    let mut routes = tonic::service::Routes::new(with_path(SglangSchedulerServer::new, &h))
-        .add_service(with_path(VllmEngineServer::new, &h))
-        .add_service(with_path(TokenSpeedSchedulerServer::new, &h))
-        .add_service(with_path(TrtllmServiceServer::new, &h))
+    let mut routes = tonic::service::Routes::new(Subscribe::<0>::new(&h))
+        .add_service(Subscribe::<1>::new(&h))
+        .add_service(Subscribe::<2>::new(&h))
+        .add_service(Subscribe::<3>::new(&h))
         .add_service(v1)
         .add_service(v1alpha);
     if let Some(reporter) = &opts.health {
@@ -512,17 +503,18 @@ mod tests {
         }
     }
 
-    /// Every generated server has its row in the table, and every row a server.
+    /// The four services are the table's four rows, each serving its own path.
     #[test]
-    fn engine_services_match_the_generated_servers() {
-        let paths = [
-            path_of::<SglangSchedulerServer<PathHandler>>(),
-            path_of::<VllmEngineServer<PathHandler>>(),
-            path_of::<TokenSpeedSchedulerServer<PathHandler>>(),
-            path_of::<TrtllmServiceServer<PathHandler>>(),
+    fn each_service_serves_its_own_row() {
+        use tonic::server::NamedService;
+        let names = [
+            Subscribe::<0>::NAME,
+            Subscribe::<1>::NAME,
+            Subscribe::<2>::NAME,
+            Subscribe::<3>::NAME,
         ];
-        for s in crate::proto::ENGINE_SERVICES {
-            assert!(paths.contains(&s.path), "{} has no server", s.service);
+        for (i, s) in crate::proto::ENGINE_SERVICES.iter().enumerate() {
+            assert_eq!(names[i], s.service);
             assert_eq!(s.path, format!("/{}/SubscribeKvEvents", s.service));
         }
     }

@@ -3,6 +3,10 @@
 //! Why a cache beside the ring: a record in shared memory can be overwritten while a reader
 //! copies it, so every in-process subscriber would need its own validated copy. Copying once at
 //! commit time into a reference-counted buffer lets thousands of live subscribers share it.
+//!
+//! The copy is made as the gRPC edge sends it: one length-prefixed gRPC message (the 5-byte
+//! prefix, then the record), since that edge is the cache's only reader. Every subscriber then
+//! hands the same buffer to its HTTP/2 stream, with no per-subscriber framing or copy.
 
 use std::collections::VecDeque;
 
@@ -12,6 +16,20 @@ use bytes::Bytes;
 pub(super) const CACHE_MAX_ITEMS: usize = 8192;
 /// At most this many bytes are cached (and never more than a quarter of the ring).
 pub(super) const CACHE_MAX_BYTES: usize = 32 << 20;
+
+/// Bytes of the gRPC message prefix: a compression flag (0) and the length (big-endian u32).
+pub const GRPC_PREFIX_LEN: usize = 5;
+
+/// `record` as one uncompressed length-prefixed gRPC message (gRPC over HTTP/2,
+/// "Length-Prefixed-Message"), in one allocation.
+pub fn grpc_framed(record: &[u8]) -> Bytes {
+    let len = u32::try_from(record.len()).expect("records are far below 4 GiB");
+    let mut v = Vec::with_capacity(GRPC_PREFIX_LEN + record.len());
+    v.push(0);
+    v.extend_from_slice(&len.to_be_bytes());
+    v.extend_from_slice(record);
+    Bytes::from(v)
+}
 
 /// Contiguous records `first_seq ..` with their ingest time (Unix ns).
 #[derive(Default)]

@@ -2,9 +2,9 @@
 //!
 //! The hub is where encoded records get their numbers. It owns the ring's only writer (behind a
 //! mutex, because every ingest rank publishes into the merged ring), assigns `event_id`s, keeps
-//! the most recent records as shared [`Bytes`] (`cache.rs`) so that live subscribers copy nothing
-//! of their own, counts what it wrote (`gauges.rs`), and wakes in-process subscribers after each
-//! commit. Readers in other processes use the ring file directly and are woken by the ring's
+//! the most recent records as shared [`Bytes`], framed as the gRPC messages the edge sends
+//! (`cache.rs`), so that live subscribers copy nothing of their own, counts what it wrote
+//! (`gauges.rs`), and wakes in-process subscribers after each commit. Readers in other processes use the ring file directly and are woken by the ring's
 //! futex.
 //!
 //! What a record contains is the source's business ([`RecordSource`]): the ring never imports
@@ -35,6 +35,7 @@ use parking_lot::{Mutex, RwLock};
 use prost::Message;
 use thiserror::Error;
 
+pub use cache::{grpc_framed, GRPC_PREFIX_LEN};
 use cache::{RecentCache, CACHE_MAX_BYTES};
 pub use config::{
     RingConfig, DEFAULT_RING_SIZE, DEFAULT_SPLIT_THRESHOLD, MAX_RING_SIZE, MAX_SPLIT_THRESHOLD,
@@ -267,7 +268,7 @@ impl RingHub {
             let mut slot = st.writer.reserve(len)?;
             let written = src.write_record(i, &hdr, slot.buf());
             debug_assert_eq!(written, len);
-            let shared = Bytes::copy_from_slice(&slot.buf()[..len]);
+            let framed = cache::grpc_framed(&slot.buf()[..len]);
             let seq = slot.seq();
             slot.commit(meta);
             st.next_event_id += src.record_events(i);
@@ -278,12 +279,12 @@ impl RingHub {
                 h.observe(len as f64);
             }
             if hook.is_some() {
-                st.published.push(shared.clone());
+                st.published.push(framed.slice(cache::GRPC_PREFIX_LEN..));
             }
             // Under the writer lock (see the module docs): cache first, then `newest`.
             self.cache
                 .write()
-                .push(seq, shared, meta.ingest_ns, self.cache_max_bytes);
+                .push(seq, framed, meta.ingest_ns, self.cache_max_bytes);
             self.oldest.store(st.writer.oldest(), Ordering::Release);
             self.newest.store(seq, Ordering::Release);
         }
@@ -405,7 +406,8 @@ impl RingHub {
         oldest.max(self.corrupt_floor.load(Ordering::Acquire).saturating_add(1))
     }
 
-    /// The encoded record `seq` and its ingest time (Unix ns), if still in the recent cache.
+    /// Record `seq` as one gRPC message ([`grpc_framed`]) and its ingest time (Unix ns), if
+    /// still in the recent cache.
     pub fn cached_at(&self, seq: u64) -> Option<(Bytes, u64)> {
         self.cache.read().get(seq)
     }

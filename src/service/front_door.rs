@@ -60,7 +60,8 @@ impl FrontDoor<'_> {
                 cfg.fanout.max_subscribers,
                 drain_rx.clone(),
             )
-            .with_snapshots(snapshots),
+            .with_snapshots(snapshots)
+            .with_linger(cfg.fanout.linger),
         );
         // Sidecar mode: the engine's gRPC server behind the same listener; health then also
         // needs the engine, and subscribers that ask get its load records.

@@ -61,6 +61,8 @@ fn new_flags_are_validated_with_one_line_and_exit_2() {
             vec![s("--handshake-timeout-ms"), s("0")],
             "--handshake-timeout-ms",
         ),
+        (vec![s("--fanout-linger"), s("5")], "--fanout-linger"),
+        (vec![s("--fanout-linger"), s("2s")], "--fanout-linger"),
         (
             vec![s("--max-engine-message"), s("1KiB")],
             "--max-engine-message",

@@ -57,9 +57,11 @@ async fn metrics_move_as_events_flow_and_count_gaps_and_decode_errors() {
         10.0
     );
     assert_eq!(metric(&page, "kvbridge_batches_sent_total", &[]), 10.0);
-    assert_eq!(
-        metric(&page, "kvbridge_subscriber_lag_batches_count", &[]),
-        10.0
+    // Observed once per write, and a write may carry several records.
+    let lag_writes = metric(&page, "kvbridge_subscriber_lag_batches_count", &[]);
+    assert!(
+        (1.0..=10.0).contains(&lag_writes),
+        "{lag_writes} lag observations"
     );
     assert!(metric(&page, "kvbridge_bytes_sent_total", &[]) > 0.0);
     assert_eq!(

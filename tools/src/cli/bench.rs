@@ -72,6 +72,13 @@ pub struct BenchArgs {
     /// Ring size of the bridge the bench starts.
     #[arg(long = "ring-size", default_value = "64MiB")]
     ring_size: String,
+    /// `--fanout-linger` of the bridge the bench starts (its default when not given).
+    #[arg(
+        long = "fanout-linger",
+        value_name = "DURATION",
+        conflicts_with = "grpc"
+    )]
+    fanout_linger: Option<String>,
     /// The bridge the bench starts also publishes to these NATS servers (stream `KVBENCH_R<n>`,
     /// subjects `kvbench_r<n>.>`, n = --nats-replicas); the result adds the sink's rate, publish
     /// lag and CPU per batch.
@@ -413,6 +420,9 @@ fn start_bridge(a: &BenchArgs, ctx: &zmq::Context) -> Result<Target, CliError> {
     .to_vec();
     args.extend(["--shm".into(), shm.display().to_string()]);
     args.extend(["--ready-file".into(), ready.display().to_string()]);
+    if let Some(l) = &a.fanout_linger {
+        args.extend(["--fanout-linger".into(), l.clone()]);
+    }
     if a.zmq_subscribers > 0 {
         args.extend(["--publish-zmq".into(), "tcp://127.0.0.1:0".into()]);
     }

@@ -12,7 +12,7 @@ pub enum Command {
     /// Run the whole path on a built-in engine and show live stats (no engine needed).
     Demo(demo::DemoArgs),
     /// Measure latency, loss, CPU and memory under an open-loop load.
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
     /// What the snapshot table and its checkpoints cost a bridge holding many blocks: CPU and
     /// memory of bridges with and without it, fed the same churn in one run.
     BenchCheckpoints(bench::BenchCheckpointsArgs),
@@ -35,7 +35,7 @@ impl Command {
     pub fn run(self) -> Result<(), CliError> {
         match self {
             Command::Demo(a) => demo::run(a),
-            Command::Bench(a) => bench::run(a),
+            Command::Bench(a) => bench::run(*a),
             Command::BenchCheckpoints(a) => bench::run_checkpoints(a),
             Command::BenchReader(a) => bench::run_reader(a),
             Command::BenchFloor(a) => bench::run_floor_sender(a),
