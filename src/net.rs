@@ -18,6 +18,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
@@ -246,6 +247,11 @@ pub struct EdgeIo {
     /// Bytes HTTP/2 wrote that are not on the socket yet ([`WRITE_COMBINE`]), from `wpos`.
     wbuf: Vec<u8>,
     wpos: usize,
+    /// Streams open on this connection ([`EdgeConnInfo::stream_opened`]).
+    streams: Arc<AtomicUsize>,
+    /// How many times in a row the flush was put off, and how much was held the last time
+    /// (`poll_flush` below).
+    flush_deferred: (u8, usize),
     handshake: Option<Box<Handshake>>,
     info: tonic::transport::server::TcpConnectInfo,
     timeouts: prometheus::IntCounter,
@@ -272,6 +278,8 @@ impl EdgeIo {
             stream,
             wbuf: Vec::new(),
             wpos: 0,
+            streams: Arc::default(),
+            flush_deferred: (0, 0),
             handshake: Some(Box::new(Handshake {
                 deadline: Box::pin(tokio::time::sleep(timeout)),
                 head: [0; HEAD],
@@ -375,6 +383,9 @@ impl AsyncRead for EdgeIo {
 /// into its 16 KiB buffer instead of writing each one alone: the streams sharing a connection
 /// then share its writes (measured in docs/performance.md).
 pub const WRITE_COMBINE: usize = 64 << 10;
+/// Most rounds a connection carrying several streams puts a flush off while its streams are
+/// still handing over frames.
+const MAX_FLUSH_DEFERRALS: u8 = 8;
 /// Capacity of the combining buffer a connection keeps between writes.
 const KEEP_WRITE_BUF: usize = 16 << 10;
 
@@ -425,6 +436,24 @@ impl AsyncWrite for EdgeIo {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        let held = this.wbuf.len() - this.wpos;
+        let (times, last) = this.flush_deferred;
+        // Relaxed: a hint about sharing, not a hand-off of data; a stale count costs one round.
+        if held > 0
+            && held != last
+            && times < MAX_FLUSH_DEFERRALS
+            && this.streams.load(Ordering::Relaxed) > 1
+        {
+            // Several streams share this connection, and the record that woke one woke the
+            // others too (their tasks are queued or running): put the connection's task behind
+            // them in the run queue, so that their frames join this write — again while more
+            // keep coming, never more than MAX_FLUSH_DEFERRALS times. The self-wake guarantees
+            // the next round, and h2 flushes at the end of every poll of the connection.
+            this.flush_deferred = (times + 1, held);
+            cx.waker().wake_by_ref();
+            return Poll::Ready(Ok(()));
+        }
+        this.flush_deferred = (0, 0);
         ready!(this.poll_drain(cx))?;
         this.poll_io(cx, |s, cx| s.poll_flush(cx))
     }
@@ -442,11 +471,41 @@ impl AsyncWrite for EdgeIo {
     }
 }
 
+/// What a request knows of its connection (tonic puts it in every request's extensions): its
+/// addresses, and a count of the streams it carries, which decides how its writes are combined
+/// (see `poll_flush`).
+#[derive(Clone)]
+pub struct EdgeConnInfo {
+    /// The connection's addresses.
+    pub tcp: tonic::transport::server::TcpConnectInfo,
+    streams: Arc<AtomicUsize>,
+}
+
+impl EdgeConnInfo {
+    /// Counts a long-lived stream on this connection until the guard is dropped.
+    pub fn stream_opened(&self) -> StreamOnConn {
+        self.streams.fetch_add(1, Ordering::Relaxed);
+        StreamOnConn(self.streams.clone())
+    }
+}
+
+/// A stream counted on its connection ([`EdgeConnInfo::stream_opened`]).
+pub struct StreamOnConn(Arc<AtomicUsize>);
+
+impl Drop for StreamOnConn {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl tonic::transport::server::Connected for EdgeIo {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = EdgeConnInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.info.clone()
+        EdgeConnInfo {
+            tcp: self.info.clone(),
+            streams: self.streams.clone(),
+        }
     }
 }
 
@@ -536,5 +595,69 @@ mod tests {
             AcceptErrorKind::Other
         );
         assert!(AcceptErrorKind::Emfile.lasts() && !AcceptErrorKind::Connection.lasts());
+    }
+
+    /// Counts wake-ups.
+    struct Wakes(std::sync::atomic::AtomicUsize);
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Writes are held until a flush; with one stream the flush writes at once, with several
+    /// it is put off (waking the task) while more keeps coming, then writes everything in one go.
+    #[tokio::test]
+    async fn writes_are_held_until_a_flush_and_shared_connections_put_it_off() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (sock, _) = listener.accept().await.unwrap();
+        let mut io = EdgeIo::new(
+            sock,
+            None,
+            Duration::from_secs(3600),
+            prometheus::IntCounter::new("t", "t").unwrap(),
+        );
+        let wakes = Arc::new(Wakes(Default::default()));
+        let waker = std::task::Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut io = Pin::new(&mut io);
+        async fn read(peer: &mut TcpStream, n: usize) -> Vec<u8> {
+            let mut buf = vec![0u8; n];
+            peer.read_exact(&mut buf).await.unwrap();
+            buf
+        }
+
+        // One stream: held until the flush, then written.
+        assert!(matches!(
+            io.as_mut().poll_write(&mut cx, b"ab"),
+            Poll::Ready(Ok(2))
+        ));
+        assert!(matches!(
+            io.as_mut().poll_write(&mut cx, b"cd"),
+            Poll::Ready(Ok(2))
+        ));
+        assert!(io.wbuf.len() == 4, "held, not written");
+        assert!(io.as_mut().poll_flush(&mut cx).is_ready());
+        assert_eq!(read(&mut peer, 4).await, b"abcd");
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+
+        // Two streams: the first flush is put off (and wakes the task), so is the next while
+        // more was written in between; a flush with nothing new writes it all.
+        let info = tonic::transport::server::Connected::connect_info(&*io);
+        let (_s1, _s2) = (info.stream_opened(), info.stream_opened());
+        let _ = io.as_mut().poll_write(&mut cx, b"ef");
+        assert!(io.as_mut().poll_flush(&mut cx).is_ready());
+        assert_eq!((wakes.0.load(Ordering::SeqCst), io.wbuf.len()), (1, 2));
+        let _ = io.as_mut().poll_write(&mut cx, b"gh");
+        assert!(io.as_mut().poll_flush(&mut cx).is_ready());
+        assert_eq!((wakes.0.load(Ordering::SeqCst), io.wbuf.len()), (2, 4));
+        assert!(io.as_mut().poll_flush(&mut cx).is_ready());
+        assert!(io.wbuf.is_empty());
+        assert_eq!(read(&mut peer, 4).await, b"efgh");
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 2);
     }
 }

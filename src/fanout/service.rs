@@ -114,6 +114,12 @@ impl PathHandler {
             .into_http();
         }
         let (parts, body) = req.into_parts();
+        // Counted on its connection while it streams: a connection carrying several streams
+        // combines their writes (`crate::net::EdgeConnInfo`).
+        let on_conn = parts
+            .extensions
+            .get::<crate::net::EdgeConnInfo>()
+            .map(|c| c.stream_opened());
         let md = tonic::metadata::MetadataMap::from_headers(parts.headers);
         let opened = match self.check_auth(&md) {
             Ok(()) => match read_request(body).await {
@@ -140,7 +146,7 @@ impl PathHandler {
             opened_ns: crate::clock::unix_nanos(),
             metrics: self.fanout.metrics.clone(),
         };
-        let body = RecordsBody::new(records, self.fanout.linger, acct);
+        let body = RecordsBody::new(records, self.fanout.linger, acct, on_conn);
         let mut response = http::Response::new(tonic::body::Body::new(body));
         let headers = response.headers_mut();
         headers.insert(
