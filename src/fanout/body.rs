@@ -8,7 +8,8 @@
 //!
 //! Bounded batching (`--fanout-linger`): when the subscriber's next record is not there yet, the
 //! records already taken wait at most the linger for more, then go out as one DATA frame (one
-//! copy into one buffer, one write). With a linger of 0 nothing waits; records that are already
+//! copy into one buffer, one write). While it lingers the stream is not woken by each record
+//! committed, only by its timer: a write costs one wake-up however many records it carries. With a linger of 0 nothing waits; records that are already
 //! there (a subscriber catching up) still go out together. Either way a write holds at most
 //! [`MAX_WRITE`] bytes, so a long catch-up is a run of bounded writes, each one only after
 //! HTTP/2 flow control asked for more.
@@ -162,6 +163,16 @@ impl http_body::Body for RecordsBody {
         if this.done {
             return Poll::Ready(None);
         }
+        // Lingering: only the timer wakes this stream until it runs out, not every record
+        // committed meanwhile; they are all taken when it does. (A record wakes the stream at
+        // most once per linger: the one wait registered by the poll that started it.)
+        let mut expired = false;
+        if let Some(timer) = &mut this.timer {
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            expired = true;
+        }
         while this.end.is_none() && this.held_bytes < MAX_WRITE {
             match this.records.as_mut().poll_next(cx) {
                 Poll::Ready(Some(Ok(o))) => {
@@ -174,7 +185,7 @@ impl http_body::Body for RecordsBody {
             }
         }
         if !this.held.is_empty() {
-            if this.end.is_some() || this.due(cx) {
+            if expired || this.end.is_some() || this.due(cx) {
                 return Poll::Ready(Some(Ok(Frame::data(this.take_held()))));
             }
             return Poll::Pending;

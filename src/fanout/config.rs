@@ -22,7 +22,7 @@ pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 100;
 pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Default `--fanout-linger`: how long a stream's ready records wait for more before they are
 /// written together. Chosen from measurement (docs/performance.md, "Bounded batching").
-pub const DEFAULT_FANOUT_LINGER: Duration = Duration::ZERO;
+pub const DEFAULT_FANOUT_LINGER: Duration = Duration::from_millis(2);
 /// Longest `--fanout-linger` accepted.
 pub const MAX_FANOUT_LINGER: Duration = Duration::from_secs(1);
 /// Longest handshake timeout accepted (ms).
