@@ -413,8 +413,8 @@ fn rows(dir: &Path) -> Vec<Row> {
             "handshake-timeout-ms = 3000",
         ),
         row(
-            "--fanout-linger 2ms",
-            "fanout-linger = \"2ms\"",
+            "--fanout-linger 5ms",
+            "fanout-linger = \"5ms\"",
             "fanout-linger = \"500us\"",
         ),
         // Security.

@@ -38,6 +38,22 @@ fn count_messages(b: &[u8]) -> usize {
     n
 }
 
+/// Reads DATA frames until at least `n` whole gRPC messages came: (frames, messages).
+async fn read_messages(body: &mut h2::RecvStream, n: usize) -> (usize, usize) {
+    let (mut frames, mut bytes) = (0usize, Vec::new());
+    while count_messages(&bytes) < n {
+        let chunk = tokio::time::timeout(Duration::from_secs(30), body.data())
+            .await
+            .unwrap_or_else(|_| panic!("timed out: {} of {n} messages", count_messages(&bytes)))
+            .unwrap_or_else(|| panic!("stream ended: {:?}", trailers_of(body)))
+            .unwrap();
+        body.flow_control().release_capacity(chunk.len()).unwrap();
+        frames += 1;
+        bytes.extend_from_slice(&chunk);
+    }
+    (frames, count_messages(&bytes))
+}
+
 /// `SubscribeKvEvents` from 0 over a raw HTTP/2 client, which sees DATA frames one by one: the
 /// response body, once the headers have come (the subscription is open).
 async fn raw_subscribe(grpc: std::net::SocketAddr) -> h2::RecvStream {
@@ -94,18 +110,8 @@ async fn with_a_linger_live_records_that_come_together_go_out_together() {
     for i in 0..BURST {
         e.publish(layout(i), vec![store(i as u64 + 1, 1, None)], 0);
     }
-    let (mut frames, mut bytes) = (0usize, Vec::new());
-    while count_messages(&bytes) < BURST {
-        let chunk = tokio::time::timeout(Duration::from_secs(30), body.data())
-            .await
-            .expect("timed out waiting for the burst")
-            .unwrap_or_else(|| panic!("stream ended: {:?}", trailers_of(&mut body)))
-            .unwrap();
-        body.flow_control().release_capacity(chunk.len()).unwrap();
-        frames += 1;
-        bytes.extend_from_slice(&chunk);
-    }
-    assert_eq!(count_messages(&bytes), BURST);
+    let (frames, records) = read_messages(&mut body, BURST).await;
+    assert_eq!(records, BURST);
     assert!(
         frames < BURST,
         "{BURST} records published together came in {frames} DATA frames: none waited"
@@ -145,18 +151,7 @@ async fn a_subscriber_that_is_behind_gets_many_records_per_data_frame() {
     // A fresh subscriber (start 0) starts at the oldest retained record: the whole window is
     // behind it. Over raw HTTP/2 and count DATA frames and gRPC messages.
     let mut body = raw_subscribe(bridge.grpc).await;
-    let (mut frames, mut bytes) = (0usize, Vec::new());
-    while count_messages(&bytes) < RECORDS {
-        let chunk = tokio::time::timeout(Duration::from_secs(20), body.data())
-            .await
-            .expect("timed out reading the replay")
-            .unwrap_or_else(|| panic!("stream ended: {:?}", trailers_of(&mut body)))
-            .unwrap();
-        body.flow_control().release_capacity(chunk.len()).unwrap();
-        frames += 1;
-        bytes.extend_from_slice(&chunk);
-    }
-    let records = count_messages(&bytes);
+    let (frames, records) = read_messages(&mut body, RECORDS).await;
     // Every record was ready when the stream started: they go out back to back, as many per
     // frame as fit. One record per frame would be `records` frames.
     assert!(
