@@ -2,7 +2,7 @@
 //! buffer budget. Registered in every mode (all zero without `--engine-grpc`), so that
 //! dashboards need no second variant.
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge};
+use prometheus::{Histogram, IntCounterVec, IntGauge};
 
 use crate::metrics::Metrics;
 
@@ -39,21 +39,11 @@ pub struct ProxyMetrics {
 impl ProxyMetrics {
     /// Registers sidecar mode's series on `m`'s registry.
     pub fn new(m: &Metrics) -> Self {
-        let r = &m.registry;
         let histogram = |name: &str, help: &str, start: f64| {
-            let h = Histogram::with_opts(
-                HistogramOpts::new(name, help)
-                    .buckets(prometheus::exponential_buckets(start, 2.5, 14).expect("buckets")),
-            )
-            .expect("histogram");
-            r.register(Box::new(h.clone())).expect("unique metric");
-            h
+            let buckets = prometheus::exponential_buckets(start, 2.5, 14).expect("buckets");
+            m.histogram(name, help, buckets)
         };
-        let int_gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("metric");
-            r.register(Box::new(g.clone())).expect("unique metric");
-            g
-        };
+        let int_gauge = |name: &str, help: &str| m.gauge(name, help);
         ProxyMetrics {
             calls: m.counter_vec(
                 "proxy_calls_total",

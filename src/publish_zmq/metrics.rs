@@ -1,7 +1,7 @@
 //! The engine-wire edge's series, registered in the process registry with every rank's label
 //! values at zero from the start.
 
-use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use prometheus::{IntCounterVec, IntGaugeVec};
 
 use crate::metrics::Metrics;
 
@@ -20,17 +20,8 @@ pub(crate) struct ZmqMetrics {
 
 impl ZmqMetrics {
     pub(super) fn new(m: &Metrics) -> Self {
-        let r = &m.registry;
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            let _ = r.register(Box::new(c.clone()));
-            c
-        };
-        let gauge = |name: &str, help: &str| {
-            let g = IntGaugeVec::new(Opts::new(name, help), &["rank"]).expect("valid metric");
-            let _ = r.register(Box::new(g.clone()));
-            g
-        };
+        let counter = |name: &str, help: &str, labels: &[&str]| m.counter_vec(name, help, labels);
+        let gauge = |name: &str, help: &str| m.gauge_vec(name, help, &["rank"]);
         ZmqMetrics {
             published: counter(
                 "zmq_published_total",

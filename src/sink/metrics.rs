@@ -1,9 +1,7 @@
 //! The sink's series, per subject: what was published and acknowledged, what failed, and whether
 //! NATS is reachable. Every subject's series exist at 0 from the start.
 
-use prometheus::{
-    GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-};
+use prometheus::{GaugeVec, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 
 use crate::metrics::Metrics;
 
@@ -25,87 +23,64 @@ pub(crate) struct SinkMetrics {
 
 impl SinkMetrics {
     pub(super) fn new(m: &Metrics) -> Self {
-        let r = &m.registry;
-        // One sink per process registers; registering twice is refused and harmless.
-        let reg = |c: Box<dyn prometheus::core::Collector>| {
-            let _ = r.register(c);
-        };
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            reg(Box::new(c.clone()));
-            c
-        };
-        let gauge = |name: &str, help: &str| {
-            let g = IntGaugeVec::new(Opts::new(name, help), &["subject"]).expect("valid metric");
-            reg(Box::new(g.clone()));
-            g
-        };
-        let latency = HistogramVec::new(
-            HistogramOpts::new(
-                "nats_publish_lag_seconds",
-                "Commit in the ring to JetStream acknowledgement, per published record",
-            )
-            .buckets(prometheus::exponential_buckets(5e-5, 1.25, 56).expect("buckets")),
-            &["subject"],
-        )
-        .expect("histogram");
-        reg(Box::new(latency.clone()));
-        let lag_seconds = GaugeVec::new(
-            Opts::new(
-                "nats_lag_seconds",
-                "Age of the oldest ring record JetStream has not acknowledged (0: caught up)",
-            ),
-            &["subject"],
-        )
-        .expect("valid metric");
-        reg(Box::new(lag_seconds.clone()));
-        let config_errors = IntCounter::new(
-            "nats_config_errors_total",
-            "Configuration errors the NATS server reported (stream settings, permissions): the sink retries, kvbridge serves on",
-        )
-        .expect("valid metric");
-        reg(Box::new(config_errors.clone()));
-        let connected = IntGauge::new("nats_connected", "1 while the sink's NATS connection is up")
-            .expect("valid metric");
-        reg(Box::new(connected.clone()));
+        let subject = &["subject"];
         SinkMetrics {
-            published: counter(
+            published: m.counter_vec(
                 "nats_published_total",
                 "Ring records acknowledged by JetStream",
-                &["subject"],
+                subject,
             ),
-            cleared: counter(
+            cleared: m.counter_vec(
                 "nats_cleared_total",
                 "In-band cleared batches the sink published for records the ring no longer had",
                 &["subject", "cause"],
             ),
-            failures: counter(
+            failures: m.counter_vec(
                 "nats_publish_failures_total",
                 "Batches not stored for want of NATS (unreachable, timed out, leader change); the sink resumes after the stream's last record",
-                &["subject"],
+                subject,
             ),
-            republished: counter(
+            republished: m.counter_vec(
                 "nats_republished_total",
                 "Records sent again after a batch that held them was not acknowledged",
-                &["subject"],
+                subject,
             ),
-            rejected_for_order: counter(
+            rejected_for_order: m.counter_vec(
                 "nats_rejected_for_order_total",
                 "Records in batches JetStream refused because the subject's last message was not their predecessor",
-                &["subject"],
+                subject,
             ),
-            config_errors,
-            connected,
-            lag: gauge(
+            config_errors: m.counter(
+                "nats_config_errors_total",
+                "Configuration errors the NATS server reported (stream settings, permissions): the sink retries, kvbridge serves on",
+            ),
+            connected: m.gauge("nats_connected", "1 while the sink's NATS connection is up"),
+            lag: m.gauge_vec(
                 "nats_lag_records",
                 "Newest ring sequence minus the last one JetStream acknowledged",
+                subject,
             ),
-            lag_seconds,
-            acked_seq: gauge(
+            lag_seconds: m.register(
+                GaugeVec::new(
+                    Opts::new(
+                        "nats_lag_seconds",
+                        "Age of the oldest ring record JetStream has not acknowledged (0: caught up)",
+                    ),
+                    subject,
+                )
+                .expect("valid metric"),
+            ),
+            acked_seq: m.gauge_vec(
                 "nats_acked_sequence",
                 "Last ring sequence JetStream acknowledged",
+                subject,
             ),
-            latency,
+            latency: m.histogram_vec(
+                "nats_publish_lag_seconds",
+                "Commit in the ring to JetStream acknowledgement, per published record",
+                subject,
+                prometheus::exponential_buckets(5e-5, 1.25, 56).expect("buckets"),
+            ),
         }
     }
 }

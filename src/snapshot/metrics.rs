@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use prometheus::{
-    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts,
+    Gauge, GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts,
 };
 
 use crate::metrics::Metrics;
@@ -30,31 +30,14 @@ pub struct SnapshotMetrics {
 impl SnapshotMetrics {
     /// Registers the snapshot metrics on `m`'s registry.
     pub fn new(m: &Metrics) -> Arc<Self> {
-        let reg = &m.registry;
-        let gauge = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            let _ = reg.register(Box::new(g.clone()));
-            g
-        };
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            let _ = reg.register(Box::new(c.clone()));
-            c
-        };
+        let gauge = |name: &str, help: &str, labels: &[&str]| m.gauge_vec(name, help, labels);
+        let counter = |name: &str, help: &str, labels: &[&str]| m.counter_vec(name, help, labels);
         let fgauge = |name: &str, help: &str| {
-            let g = GaugeVec::new(Opts::new(name, help), &["ring"]).expect("valid metric");
-            let _ = reg.register(Box::new(g.clone()));
-            g
+            m.register(GaugeVec::new(Opts::new(name, help), &["ring"]).expect("valid metric"))
         };
         let histogram = |name: &str, help: &str| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help)
-                    .buckets(vec![0.0005, 0.002, 0.01, 0.05, 0.2, 1.0, 5.0]),
-                &["ring"],
-            )
-            .expect("valid metric");
-            let _ = reg.register(Box::new(h.clone()));
-            h
+            let buckets = vec![0.0005, 0.002, 0.01, 0.05, 0.2, 1.0, 5.0];
+            m.histogram_vec(name, help, &["ring"], buckets)
         };
         Arc::new(SnapshotMetrics {
             blocks: gauge(
