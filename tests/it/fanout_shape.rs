@@ -38,6 +38,21 @@ fn count_messages(b: &[u8]) -> usize {
     n
 }
 
+/// A simulated engine and a bridge fed by it, with `extra` flags.
+fn engine_and_bridge(extra: &[&str]) -> (tempfile::TempDir, Engine, Bridge) {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::start(0);
+    let mut args = vec![
+        "--zmq".to_string(),
+        e.endpoint.clone(),
+        "--replay".into(),
+        e.replay.clone(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    (dir, e, bridge)
+}
+
 /// Reads DATA frames until at least `n` whole gRPC messages came: (frames, messages).
 async fn read_messages(body: &mut h2::RecvStream, n: usize) -> (usize, usize) {
     let (mut frames, mut bytes) = (0usize, Vec::new());
@@ -93,18 +108,8 @@ async fn raw_subscribe(grpc: std::net::SocketAddr) -> h2::RecvStream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_linger_live_records_that_come_together_go_out_together() {
     const BURST: usize = 6;
-    let dir = tempfile::tempdir().unwrap();
-    let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-        // The longest linger accepted: the burst below comes within it even on a busy machine.
-        "--fanout-linger".into(),
-        "1s".into(),
-    ];
-    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    // The longest linger accepted: the burst below comes within it even on a busy machine.
+    let (_dir, e, bridge) = engine_and_bridge(&["--fanout-linger", "1s"]);
     // Subscribed (headers received) before anything is published: every record is live.
     let mut body = raw_subscribe(bridge.grpc).await;
     for i in 0..BURST {
@@ -121,15 +126,7 @@ async fn with_a_linger_live_records_that_come_together_go_out_together() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_that_is_behind_gets_many_records_per_data_frame() {
-    let dir = tempfile::tempdir().unwrap();
-    let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-    ];
-    let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
+    let (_dir, e, bridge) = engine_and_bridge(&[]);
     // Fill the window: a live subscriber tells when every record is in the ring.
     let mut live = subscribe(&bridge.url(), 0).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
