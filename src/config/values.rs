@@ -57,15 +57,21 @@ impl ByteSize {
     }
 }
 
-/// `90s`, `30m`, `1h`, `2d` (or a bare number of seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+/// A duration's number and unit (`"2ms"` → 2, `"ms"`); `examples` goes in the error.
+fn number_and_unit<'a>(s: &'a str, examples: &str) -> Result<(u64, &'a str), String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
+    let n = num
         .parse()
-        .map_err(|_| format!("not a duration: {s:?} (try 1h, 30m or 90s)"))?;
-    let mult = match unit.trim() {
+        .map_err(|_| format!("not a duration: {s:?} (try {examples})"))?;
+    Ok((n, unit.trim()))
+}
+
+/// `90s`, `30m`, `1h`, `2d` (or a bare number of seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (n, unit) = number_and_unit(s, "1h, 30m or 90s")?;
+    let mult = match unit {
         "" | "s" => 1,
         "m" => 60,
         "h" => 3600,
@@ -81,13 +87,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// A short duration: `0`, or a whole number with `us`, `ms` or `s` (`500us`, `2ms`, `1s`), at
 /// most `max`.
 pub fn parse_short_duration(s: &str, max: Duration) -> Result<Duration, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("not a duration: {s:?} (try 0, 500us, 2ms or 1s)"))?;
-    let d = match unit.trim() {
+    let (n, unit) = number_and_unit(s, "0, 500us, 2ms or 1s")?;
+    let d = match unit {
         "" if n == 0 => Duration::ZERO,
         "" => return Err(format!("{s:?}: give a unit (us, ms or s), e.g. {n}ms")),
         "us" | "µs" => Duration::from_micros(n),

@@ -566,9 +566,4 @@ impl Subscription {
             .newest()
             .saturating_sub(self.next.saturating_sub(1))
     }
-
-    /// Ingest time (Unix ns) of the batch `next_batch` returned last (0: unknown).
-    pub fn last_ingest_ns(&self) -> u64 {
-        self.last_ingest_ns
-    }
 }
