@@ -96,17 +96,10 @@ pub(super) struct RecordsBody {
     end: Option<Status>,
     done: bool,
     acct: Accounting,
-    /// This stream counted on its connection, for as long as the body lives.
-    _on_conn: Option<crate::net::StreamOnConn>,
 }
 
 impl RecordsBody {
-    pub(super) fn new(
-        records: Records,
-        linger: Duration,
-        acct: Accounting,
-        on_conn: Option<crate::net::StreamOnConn>,
-    ) -> Self {
+    pub(super) fn new(records: Records, linger: Duration, acct: Accounting) -> Self {
         RecordsBody {
             records,
             linger,
@@ -116,7 +109,6 @@ impl RecordsBody {
             end: None,
             done: false,
             acct,
-            _on_conn: on_conn,
         }
     }
 
@@ -243,7 +235,7 @@ mod tests {
     ) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let records = Box::pin(tokio_stream_of(rx));
-        (tx, RecordsBody::new(records, linger, acct(), None))
+        (tx, RecordsBody::new(records, linger, acct()))
     }
 
     fn tokio_stream_of(

@@ -19,7 +19,9 @@
 //! were copied at commit time and need no check.
 
 mod body;
+mod call;
 mod config;
+mod conn;
 mod load;
 mod metrics;
 mod service;
@@ -244,7 +246,7 @@ impl Fanout {
                     done: false,
                     last_ingest_ns: 0,
                     metrics: self.metrics.clone(),
-                    pending: c.chunks.iter().rev().cloned().collect(),
+                    pending: c.framed.iter().rev().cloned().collect(),
                     _guard: guard,
                 });
             }
@@ -429,7 +431,7 @@ pub struct Subscription {
     done: bool,
     last_ingest_ns: u64,
     metrics: Arc<FanoutMetrics>,
-    /// Snapshot chunks still to send, last first.
+    /// Snapshot chunks still to send (framed, as the edge sends them), last first.
     pending: Vec<Bytes>,
     _guard: ActiveGuard,
 }
@@ -463,7 +465,7 @@ impl Subscription {
     async fn next_inner(&mut self) -> Result<EncodedBatch, Status> {
         if let Some(chunk) = self.pending.pop() {
             self.last_ingest_ns = 0;
-            return Ok(EncodedBatch::frame(&chunk));
+            return Ok(EncodedBatch::from_framed(chunk));
         }
         loop {
             if *self.shutdown.borrow() {

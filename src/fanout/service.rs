@@ -2,204 +2,18 @@
 //! delegating to one [`Fanout`], plus the HTTP/2 settings SMG gateways need (docs/smg-api.md
 //! §3.1).
 //!
-//! The call is served by hand ([`Subscribe`]) rather than by tonic's generated servers, because
-//! the response is already on the wire format: every record is one framed gRPC message, and the
-//! body (`body.rs`) writes it as it is. The request side is the generated message type,
-//! decoded from the one length-prefixed message a server-streaming call carries.
+//! Each accepted connection is served by one task (`conn.rs`); a call is served by
+//! [`PathHandler`] (`call.rs`). The tonic routes ([`Subscribe`] per path, health, reflection)
+//! serve every other path, and all of them in sidecar mode (`crate::proxy`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Buf;
 use futures_util::Stream;
-use http_body_util::BodyExt;
-use tonic::Status;
 
-use super::body::{Accounting, Records, RecordsBody};
-use super::{Fanout, DP_RANK_HEADER};
-use crate::proto::common::SubscribeKvEventsRequest;
-
-/// Most bytes a `SubscribeKvEventsRequest` may take (it is two small fields).
-const MAX_REQUEST_BYTES: usize = 64 << 10;
-
-/// One handle per path, so that metrics can tell the paths apart.
-#[derive(Clone)]
-pub(super) struct PathHandler {
-    fanout: Arc<Fanout>,
-    path: &'static str,
-    secrets: Arc<crate::secrets::Secrets>,
-}
-
-/// Compares without an early exit, so response time says nothing about a token's prefix.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// Whether `md` carries exactly one `authorization` header holding `Bearer <want>`. The scheme
-/// is matched case-insensitively (RFC 7235 §2.1), the token exactly; a repeated header is
-/// refused, since proxies and servers disagree on which copy counts.
-fn bearer_ok(md: &tonic::metadata::MetadataMap, want: &[u8]) -> bool {
-    let mut values = md.get_all("authorization").iter();
-    let (Some(value), None) = (values.next(), values.next()) else {
-        return false;
-    };
-    let Ok(value) = value.to_str() else {
-        return false;
-    };
-    let Some((scheme, token)) = value.trim().split_once([' ', '\t']) else {
-        return false;
-    };
-    scheme.eq_ignore_ascii_case("bearer") && constant_time_eq(token.trim().as_bytes(), want)
-}
-
-/// The one message of a unary request body: `SubscribeKvEventsRequest`, uncompressed (kvbridge
-/// announces no request compression, so a compressed one is refused as gRPC says).
-async fn read_request(body: tonic::body::Body) -> Result<SubscribeKvEventsRequest, Status> {
-    let bytes = http_body_util::Limited::new(body, MAX_REQUEST_BYTES)
-        .collect()
-        .await
-        .map_err(|e| Status::invalid_argument(format!("reading the request failed: {e}")))?
-        .to_bytes();
-    let mut buf = &bytes[..];
-    if buf.len() < crate::ring::GRPC_PREFIX_LEN {
-        return Err(Status::internal("Missing request message."));
-    }
-    let compressed = buf.get_u8();
-    let len = buf.get_u32() as usize;
-    if compressed != 0 {
-        return Err(Status::unimplemented(
-            "compressed requests are not supported: send SubscribeKvEventsRequest uncompressed",
-        ));
-    }
-    if buf.len() < len {
-        return Err(Status::internal("the request message is truncated"));
-    }
-    prost::Message::decode(&buf[..len]).map_err(|e| {
-        Status::internal(format!(
-            "the request is not a SubscribeKvEventsRequest: {e}"
-        ))
-    })
-}
-
-impl PathHandler {
-    /// `authorization: Bearer <token>` when a token is configured; else `UNAUTHENTICATED`.
-    fn check_auth(&self, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
-        // The token current now (it may have been rotated since the bridge started).
-        let ok = self
-            .secrets
-            .with_token(|want| want.is_none_or(|w| bearer_ok(md, w)));
-        if ok {
-            return Ok(());
-        }
-        self.fanout.metrics.auth_failures.inc();
-        Err(self.fanout.status(Status::unauthenticated(
-            "missing or wrong bearer token: send metadata `authorization: Bearer <token>`",
-        )))
-    }
-
-    /// One call: the request read and checked, then the response headers and the stream.
-    async fn serve(
-        self,
-        req: http::Request<tonic::body::Body>,
-    ) -> http::Response<tonic::body::Body> {
-        if req.uri().path() != self.path {
-            return Status::unimplemented(format!(
-                "{}: kvbridge serves only SubscribeKvEvents",
-                req.uri().path()
-            ))
-            .into_http();
-        }
-        let (parts, body) = req.into_parts();
-        // Counted on its connection while it streams: a connection carrying several streams
-        // combines their writes (`crate::net::EdgeConnInfo`).
-        let on_conn = parts
-            .extensions
-            .get::<crate::net::EdgeConnInfo>()
-            .map(|c| c.stream_opened());
-        let md = tonic::metadata::MetadataMap::from_headers(parts.headers);
-        let opened = match self.check_auth(&md) {
-            Ok(()) => match read_request(body).await {
-                Ok(msg) => self.open(&md, msg).await,
-                Err(s) => Err(self.fanout.status(s)),
-            },
-            Err(s) => Err(s),
-        };
-        let (records, ring_id) = match opened {
-            Ok(o) => o,
-            Err(s) => return s.into_http(),
-        };
-        let acct = Accounting {
-            latency: self
-                .fanout
-                .metrics
-                .send_latency
-                .with_label_values(&[self.path]),
-            catchup: self
-                .fanout
-                .metrics
-                .catchup_sends
-                .with_label_values(&[self.path]),
-            opened_ns: crate::clock::unix_nanos(),
-            metrics: self.fanout.metrics.clone(),
-        };
-        let body = RecordsBody::new(records, self.fanout.linger, acct, on_conn);
-        let mut response = http::Response::new(tonic::body::Body::new(body));
-        let headers = response.headers_mut();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/grpc"),
-        );
-        // Which ring the numbers belong to: the same id after a kvbridge restart on its ring
-        // (a continuation), another after a ring reset (docs/subscribers.md).
-        headers.insert(super::RING_ID_HEADER, ring_id);
-        response
-    }
-
-    /// Opens the subscription: its records (with load records if asked for and available)
-    /// and the id of the ring they come from.
-    async fn open(
-        &self,
-        md: &tonic::metadata::MetadataMap,
-        req: SubscribeKvEventsRequest,
-    ) -> Result<(Records, http::HeaderValue), Status> {
-        let rank = md.get(DP_RANK_HEADER).map(|v| v.as_bytes().to_vec());
-        let start = req.start_sequence_number;
-        // Request field 2: the client takes snapshot chunks (§6.5) and load records (§3.5).
-        let wants_load = req.load_records_before_first_batch;
-        // A subscriber from 0 may be sent a snapshot, and building one copies the block table
-        // (tens of milliseconds for a million blocks, behind any ZMQ replay copying it): that
-        // runs on a blocking thread, not on a worker that serves other streams meanwhile.
-        let sub = if start == 0 && self.fanout.snapshots().is_some() {
-            let (fanout, path) = (self.fanout.clone(), self.path);
-            tokio::task::spawn_blocking(move || {
-                fanout.subscribe(path, start, rank.as_deref(), wants_load)
-            })
-            .await
-            .map_err(|e| Status::internal(format!("opening the subscription failed: {e}")))??
-        } else {
-            self.fanout
-                .subscribe(self.path, start, rank.as_deref(), wants_load)?
-        };
-        tracing::debug!(path = self.path, start, "subscription opened");
-        let ring_id = super::ring_id_value(sub.ring_id());
-        let stream = futures_util::stream::unfold(sub, |mut sub| async move {
-            let item = sub.next_batch().await?;
-            Some((item, sub))
-        });
-        // Load records (sidecar mode) only for clients that accept them (docs/smg-api.md §3.5).
-        let records: Records = match (wants_load, self.fanout.load_feed.get()) {
-            (true, Some(feed)) => {
-                Box::pin(super::with_load_records(Box::pin(stream), feed.clone()))
-            }
-            _ => Box::pin(stream),
-        };
-        Ok((records, ring_id))
-    }
-}
+use super::call::PathHandler;
+use super::Fanout;
 
 /// `SubscribeKvEvents` of entry `I` of [`crate::proto::ENGINE_SERVICES`]: one type per service,
 /// since the router finds a service by its name.
@@ -267,6 +81,8 @@ pub fn service_names() -> Vec<&'static str> {
 /// The gRPC edge, ready to serve: the router and what wraps every accepted connection.
 pub struct Edge {
     routes: tonic::service::Routes,
+    /// The four `SubscribeKvEvents` handlers, served by the edge's own connections.
+    subscribe: Vec<PathHandler>,
     max_streams: Option<u32>,
     secrets: Arc<crate::secrets::Secrets>,
     reload: Option<crate::secrets::SecretFiles>,
@@ -288,8 +104,13 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
         .unwrap_or(Duration::from_millis(super::DEFAULT_HANDSHAKE_TIMEOUT_MS));
     let metrics = fanout.metrics.clone();
     let secrets = Arc::new(crate::secrets::Secrets::new(tls, opts.auth_token.clone()));
+    let subscribe = crate::proto::ENGINE_SERVICES
+        .iter()
+        .map(|s| PathHandler::new(fanout.clone(), s.path, secrets.clone()))
+        .collect();
     Ok(Edge {
         routes: routes_with(fanout, opts, &secrets),
+        subscribe,
         max_streams: opts.max_streams_per_connection,
         secrets,
         reload: opts.reload.clone(),
@@ -303,11 +124,7 @@ fn routes_with(
     opts: &EdgeOptions,
     secrets: &Arc<crate::secrets::Secrets>,
 ) -> tonic::service::Routes {
-    let h = |path: &'static str| PathHandler {
-        fanout: fanout.clone(),
-        path,
-        secrets: secrets.clone(),
-    };
+    let h = |path: &'static str| PathHandler::new(fanout.clone(), path, secrets.clone());
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -335,14 +152,6 @@ fn routes_with(
 pub(crate) const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long a keepalive ping to a client may go unanswered before its connection is dropped.
 pub(crate) const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Transport settings: the client keepalive above. (Socket options are set on each accepted
-/// connection by [`crate::net::tune`].)
-fn server_builder() -> tonic::transport::Server {
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
-}
 
 /// What another HTTP/2 server needs to serve the edge on connections of its own: sidecar mode
 /// (`crate::proxy`) serves these routes beside the calls it forwards, on its own runtime. The
@@ -380,6 +189,7 @@ impl Edge {
     pub fn into_parts(self) -> EdgeParts {
         let Edge {
             routes,
+            subscribe: _,
             max_streams,
             secrets,
             reload,
@@ -399,25 +209,36 @@ impl Edge {
     }
 
     /// Serves on an already-bound listener (bound early, so an occupied port is a start-up
-    /// error) until `shutdown` resolves. Connections come from our own accept loop
+    /// error) until `shutdown` resolves, then lets open connections finish (each gets a GOAWAY;
+    /// the fan-out ends their streams). Connections come from our own accept loop
     /// ([`crate::net::Acceptor`]: no spinning when descriptors run out), each wrapped in a
-    /// [`crate::net::EdgeIo`] (TLS, handshake deadline).
+    /// [`crate::net::EdgeIo`] (TLS, handshake deadline) and served by one task
+    /// (`super::conn`: the connection and every stream it carries).
     pub async fn serve(
-        self,
+        mut self,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<(), tonic::transport::Error> {
-        let max_streams = self.max_streams;
+    ) {
+        let mut builder = h2::server::Builder::new();
+        builder
+            // hyper's server defaults, which tonic's server used: requests are small, the
+            // windows matter for what clients send, not for the streams kvbridge sends.
+            .initial_window_size(1 << 20)
+            .initial_connection_window_size(1 << 20)
+            .max_header_list_size(16 << 10);
+        if let Some(n) = self.max_streams {
+            builder.max_concurrent_streams(n);
+        }
+        let paths = Arc::new(super::conn::Paths {
+            subscribe: std::mem::take(&mut self.subscribe),
+            routes: self.routes.clone(),
+        });
         let parts = self.into_parts();
-        // TLS is not tonic's: it is done per connection by `net::EdgeIo`, under the handshake
-        // deadline (tonic's own TLS would hold a silent client's handshake open forever).
-        use futures_util::StreamExt;
         let incoming = parts.incoming(listener);
-        server_builder()
-            .max_concurrent_streams(max_streams)
-            .add_routes(parts.routes.clone())
-            .serve_with_incoming_shutdown(incoming.map(Ok::<_, std::io::Error>), shutdown)
-            .await
+        crate::net::h2io::serve_connections(incoming, shutdown, |io, stopping| {
+            super::conn::serve(paths.clone(), builder.clone(), io, stopping)
+        })
+        .await;
     }
 }
 
@@ -459,55 +280,6 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn md(values: &[&str]) -> tonic::metadata::MetadataMap {
-        let mut md = tonic::metadata::MetadataMap::new();
-        for v in values {
-            md.append("authorization", v.parse().unwrap());
-        }
-        md
-    }
-
-    /// RFC 7235 §2.1: the scheme is case-insensitive; the token is compared exactly.
-    #[test]
-    fn bearer_scheme_is_case_insensitive_and_the_token_is_not() {
-        for ok in [
-            "Bearer s3cret",
-            "bearer s3cret",
-            "BEARER s3cret",
-            "bEaReR s3cret",
-            "Bearer\ts3cret",
-            "  Bearer   s3cret  ",
-        ] {
-            assert!(bearer_ok(&md(&[ok]), b"s3cret"), "{ok:?} refused");
-        }
-        for bad in [
-            "Bearer S3CRET",
-            "Bearer s3cre",
-            "Bearer s3crett",
-            "Bearers3cret",
-            "Basic s3cret",
-            "s3cret",
-            "Bearer",
-            "Bearer ",
-            "",
-        ] {
-            assert!(!bearer_ok(&md(&[bad]), b"s3cret"), "{bad:?} accepted");
-        }
-        assert!(!bearer_ok(&md(&[]), b"s3cret"), "no header accepted");
-    }
-
-    /// Two `authorization` headers are refused, even when both (or the first) hold the token.
-    #[test]
-    fn a_repeated_authorization_header_is_refused() {
-        for pair in [
-            ["Bearer s3cret", "Bearer s3cret"],
-            ["Bearer s3cret", "Bearer other"],
-            ["Bearer other", "Bearer s3cret"],
-        ] {
-            assert!(!bearer_ok(&md(&pair), b"s3cret"), "{pair:?} accepted");
-        }
-    }
 
     /// The four services are the table's four rows, each serving its own path.
     #[test]

@@ -4,7 +4,7 @@
 //! **What is held, and why it is bounded.** A forwarded stream's bytes are held by kvbridge
 //! between arriving from one peer and being accepted by the other. kvbridge gives a peer
 //! HTTP/2 flow-control capacity back only for bytes the other side has accepted (sent within
-//! the other peer's window: [`super::h2io::Pipe`] releases as it sends), so what a stream holds
+//! the other peer's window: [`crate::net::h2io::Pipe`] releases as it sends), so what a stream holds
 //! is at most what its sender may send before that: a client's request bytes within the client
 //! connection's window, an engine's response bytes within the stream's window on the engine
 //! connection ([`STREAM_WINDOW`]), plus what h2 buffers for sending on each side

@@ -23,9 +23,9 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::{Code, Status};
 
 use super::budget::{ConnectionBudget, Share};
-use super::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
 use super::upstream::{Connection, EngineState, Upstream};
 use super::ProxyMetrics;
+use crate::net::h2io::{status_headers, strip_hop_by_hop, Pipe, RecvBody};
 
 /// Forwards the client's call `req` to the engine and answers it on `respond`: the engine's
 /// headers, every DATA frame, its trailers; or `UNAVAILABLE` when the engine cannot be reached.

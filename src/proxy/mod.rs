@@ -9,15 +9,15 @@
 //!
 //! One job per file: this one decides which requests are kvbridge's and serves the listener;
 //! `upstream.rs` keeps the connections to the engine; `forward.rs` relays one call; `budget.rs`
-//! bounds what kvbridge holds for forwarded streams; `h2io.rs` holds the HTTP/2 plumbing both
-//! sides share (bodies, flow control, keepalive); `load.rs` polls the engine's `GetLoads` and
+//! bounds what kvbridge holds for forwarded streams; `crate::net::h2io` holds the HTTP/2 plumbing
+//! both sides share (bodies, flow control, keepalive); `load.rs` polls the engine's `GetLoads` and
 //! turns it into `load_only` records (§3.5).
 //!
 //! **Why our own HTTP/2 server loop here.** tonic's server wraps every service in its
 //! `grpc-timeout` handling, which answers `CANCELLED` on its own when a deadline passes before
 //! response headers. A forwarded call's deadline belongs to the engine (it answers
 //! `DEADLINE_EXCEEDED` itself, with its own message), so in sidecar mode connections are served
-//! on the `h2` crate directly (see `h2io.rs` for why not hyper), with the same HTTP/2 settings,
+//! on the `h2` crate directly (see `crate::net::h2io` for why not hyper), with the same HTTP/2 settings,
 //! and kvbridge's own services are tonic's [`Routes`] called from there.
 //!
 //! **Why one thread.** Everything the sidecar does runs on a `current_thread` runtime of its own
@@ -35,7 +35,6 @@
 mod budget;
 mod config;
 mod forward;
-mod h2io;
 mod load;
 mod metrics;
 mod upstream;
@@ -48,18 +47,16 @@ use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
-use tonic::body::Body;
+use http::Request;
 use tonic::service::Routes;
 use tonic::Code;
-use tower::ServiceExt;
 
+use crate::net::h2io;
 pub use config::{
     parse_engine_grpc, EngineGrpc, ProxyConfig, DEFAULT_LOAD_INTERVAL_MS, DEFAULT_SIDECAR_BUFFER,
     DEFAULT_SIDECAR_CONNECTION_BUFFER, DEFAULT_SIDECAR_STALL_TIMEOUT_MS, MAX_LOAD_INTERVAL_MS,
     MIN_SIDECAR_CONNECTION_BUFFER, PROXY_MAX_STREAMS_PER_CONNECTION,
 };
-use h2io::{Pipe, RecvBody};
 pub use metrics::ProxyMetrics;
 
 /// How often the engine is probed for health (`grpc.health.v1` in sidecar mode).
@@ -218,7 +215,7 @@ impl Sidecar {
         respond: h2::server::SendResponse<Bytes>,
     ) {
         if is_ours(req.uri().path()) {
-            serve_own(routes, req, respond).await
+            h2io::serve_routes(routes, req, respond).await
         } else {
             forward::forward(&self.upstream, &self.metrics, &budget, req, respond).await
         }
@@ -283,7 +280,6 @@ impl Sidecar {
         I: futures_util::Stream<Item = IO> + Send,
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
-        use futures_util::StreamExt;
         self.upstream.set_client_limit(max_streams);
         let mut builder = h2::server::Builder::new();
         builder
@@ -294,31 +290,18 @@ impl Sidecar {
             .max_send_buffer_size(budget::SEND_BUFFER)
             .max_concurrent_streams(max_streams)
             .header_table_size(HEADER_TABLE_SIZE);
-        let (stop, stopping) = tokio::sync::watch::channel(false);
-        let mut connections = tokio::task::JoinSet::new();
-        let mut incoming = Box::pin(incoming);
-        let mut shutdown = std::pin::pin!(shutdown);
         let mut draining = self.draining.subscribe();
-        loop {
-            let io = tokio::select! {
-                _ = &mut shutdown => break,
-                _ = draining.wait_for(|d| *d) => break,
-                io = incoming.next() => match io {
-                    Some(io) => io,
-                    None => break,
-                },
-                // Reap finished connections as they end.
-                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            };
-            let conn =
-                self.clone()
-                    .connection(routes.clone(), builder.clone(), io, stopping.clone());
-            connections.spawn(conn);
-        }
-        // The listener closes here: a connection attempt from now on is refused at once.
-        drop(incoming);
-        let _ = stop.send(true);
-        while connections.join_next().await.is_some() {}
+        let stop = async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = draining.wait_for(|d| *d) => {}
+            }
+        };
+        h2io::serve_connections(incoming, stop, |io, stopping| {
+            self.clone()
+                .connection(routes.clone(), builder.clone(), io, stopping)
+        })
+        .await;
     }
 
     /// One client connection: its streams, each a task of its own, until the client closes it,
@@ -437,28 +420,6 @@ impl HeaderBudget {
             "kvbridge sidecar: this connection's request headers decode to {} bytes from {wire} bytes received (more than {HEADER_BYTES_PER_WIRE_BYTE} per byte): closing it",
             self.decoded
         )))
-    }
-}
-
-/// Serves one of kvbridge's own paths with its tonic `routes`: the client's stream as the
-/// request body, the route's response piped back with flow control.
-async fn serve_own(
-    routes: Routes,
-    req: Request<h2::RecvStream>,
-    mut respond: h2::server::SendResponse<Bytes>,
-) {
-    let req = req.map(|b| Body::new(RecvBody::new(b)));
-    let resp: Response<Body> = match routes.oneshot(req).await {
-        Ok(r) => r,
-        Err(e) => match e {},
-    };
-    let (parts, body) = resp.into_parts();
-    let end = http_body::Body::is_end_stream(&body);
-    let Ok(send) = respond.send_response(Response::from_parts(parts, ()), end) else {
-        return;
-    };
-    if !end {
-        let _ = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR).await;
     }
 }
 

@@ -21,9 +21,9 @@ use tokio_rustls::rustls;
 use tonic::Status;
 
 use super::budget::STREAM_WINDOW;
-use super::h2io::{RecvBody, SettingsWatch, Tap};
 use super::EngineGrpc;
 use super::ProxyMetrics;
+use crate::net::h2io::{RecvBody, SettingsWatch, Tap};
 
 /// Connections kept to the engine.
 pub(crate) const POOL_SIZE: usize = 4;
@@ -376,7 +376,7 @@ impl Upstream {
                 r = driven => if let Err(e) = r {
                     tracing::debug!(engine = %base, error = %e, "engine connection ended");
                 },
-                () = super::h2io::keepalive(pings, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT) => {
+                () = crate::net::h2io::keepalive(pings, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT) => {
                     tracing::debug!(engine = %base, "engine connection closed: keepalive ping not answered");
                 }
             }

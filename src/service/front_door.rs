@@ -144,11 +144,7 @@ async fn serve(
     match sidecar {
         // Sidecar mode: kvbridge's routes for its own paths, the engine for the rest.
         Some(s) => s.serve_edge(edge, listener, stop).await,
-        None => {
-            if let Err(e) = edge.serve(listener, stop).await {
-                tracing::error!(error = %e, "gRPC server failed");
-            }
-        }
+        None => edge.serve(listener, stop).await,
     }
 }
 

@@ -14,6 +14,7 @@ use prost::encoding::{encode_varint, encoded_len_varint};
 
 use super::image::{Image, ImageBlock};
 use super::table::{FastMap, Table};
+use crate::ring::GRPC_PREFIX_LEN;
 
 impl Table {
     /// The table's snapshot at its cut, in chunks of at most `chunk_bytes` (`None`: the cut is
@@ -40,6 +41,9 @@ const CHUNK_OVERHEAD: usize = 11 + 9 + 11 + 2 + 6 + 6 + 11 + 11;
 pub struct Chunks {
     /// The encoded chunks, in order.
     pub chunks: Vec<Bytes>,
+    /// The same chunks as uncompressed gRPC messages (5-byte prefix, then the chunk), sharing
+    /// their buffers: what the gRPC edge sends, without a copy per subscriber.
+    pub framed: Vec<Bytes>,
     /// The cut N: the last chunk's number; live batches continue at N + 1.
     pub cut: u64,
     /// Blocks in the snapshot (copies count once).
@@ -242,6 +246,7 @@ pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) 
     let blocks = img.blocks.len() as u64;
     let unknown_before = img.unknown;
     let mut chunks = Vec::with_capacity(bodies.len());
+    let mut framed = Vec::with_capacity(bodies.len());
     for (k, events) in bodies.into_iter().enumerate() {
         let seq = cut - count + 1 + k as u64;
         let mut snap = Vec::with_capacity(32);
@@ -259,7 +264,9 @@ pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) 
             snap.push(0x20);
             encode_varint(unknown_before, &mut snap);
         }
-        let mut out = Vec::with_capacity(events.len() + CHUNK_OVERHEAD);
+        // Room for the gRPC message prefix, filled in below: the edge sends the chunk framed.
+        let mut out = Vec::with_capacity(GRPC_PREFIX_LEN + events.len() + CHUNK_OVERHEAD);
+        out.extend_from_slice(&[0; GRPC_PREFIX_LEN]);
         out.push(0x08); // sequence_number
         encode_varint(seq, &mut out);
         if ts != 0.0 {
@@ -274,10 +281,15 @@ pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) 
         out.push(0x3a); // snapshot
         encode_varint(snap.len() as u64, &mut out);
         out.extend_from_slice(&snap);
-        chunks.push(Bytes::from(out));
+        let len = u32::try_from(out.len() - GRPC_PREFIX_LEN).expect("chunks are below 4 MiB");
+        out[1..GRPC_PREFIX_LEN].copy_from_slice(&len.to_be_bytes());
+        let message = Bytes::from(out);
+        chunks.push(message.slice(GRPC_PREFIX_LEN..));
+        framed.push(message);
     }
     Some(Chunks {
         chunks,
+        framed,
         cut,
         blocks,
         unknown_before,

@@ -432,7 +432,7 @@ pub async fn measure(cfg: &FloorConfig) -> Result<FloorResult, String> {
             .map(|c| c * 1e6 / batches as f64),
         syscalls_per_delivered_batch: syscalls
             .filter(|_| batches > 0)
-            .map(|n| n as f64 / batches as f64),
+            .map(|n| n.all as f64 / batches as f64),
         h2,
     })
 }

@@ -164,6 +164,9 @@ pub struct BenchResult {
     pub bridge_syscalls: Option<u64>,
     /// Bridge system calls per batch delivered to a gRPC subscriber (`--syscalls`).
     pub syscalls_per_delivered_batch: Option<f64>,
+    /// Bridge socket writes (`sendto` of more than one byte) per batch published
+    /// (`--syscalls`): per connection when there is one, the multiplexed shape's question.
+    pub socket_writes_per_batch: Option<f64>,
     /// `--floor`: the same shape without gRPC, HTTP/2 or the bridge, measured right after
     /// (see [`floor`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -429,9 +432,12 @@ pub async fn measure(
             r.cpu_us_per_delivered_batch = Some(cpu * 1e6 / r.grpc.delivered as f64);
         }
     }
-    r.bridge_syscalls = syscalls;
-    if let (Some(n), true) = (syscalls, r.grpc.delivered > 0) {
-        r.syscalls_per_delivered_batch = Some(n as f64 / r.grpc.delivered as f64);
+    r.bridge_syscalls = syscalls.map(|c| c.all);
+    if let (Some(c), true) = (syscalls, r.grpc.delivered > 0) {
+        r.syscalls_per_delivered_batch = Some(c.all as f64 / r.grpc.delivered as f64);
+    }
+    if let (Some(c), true) = (syscalls, published > 0) {
+        r.socket_writes_per_batch = Some(c.sends as f64 / published as f64);
     }
     r.bridge_peak_rss_kib = cfg.serve_pid.and_then(proc_stats::peak_rss_kib);
     Ok(r)
@@ -472,10 +478,12 @@ pub fn table(r: &BenchResult) -> String {
         f(r.cpu_ms_per_delivered_mb)
     );
     s += &format!(
-        "bridge CPU per delivered batch {} µs, syscalls per delivered batch {}\n",
+        "bridge CPU per delivered batch {} µs, syscalls per delivered batch {}, socket writes per batch {}\n",
         r.cpu_us_per_delivered_batch
             .map_or("-".into(), |v| format!("{v:.2}")),
         r.syscalls_per_delivered_batch
+            .map_or("-".into(), |v| format!("{v:.2}")),
+        r.socket_writes_per_batch
             .map_or("-".into(), |v| format!("{v:.2}")),
     );
     s

@@ -19,7 +19,9 @@ pub fn process_cpu_seconds() -> f64 {
 
 /// Counts a process's system calls (all its threads) over a window, with
 /// `perf stat -e raw_syscalls:sys_enter -p PID`: in-kernel counting, so unlike `strace` it barely
-/// slows the process it watches.
+/// slows the process it watches. Its socket writes are counted apart: `sendto` of more than one
+/// byte (the one-byte ones are ZMQ's and tokio's internal wake-ups), which in the bench are the
+/// gRPC edge's writes.
 pub struct SyscallCounter {
     child: std::process::Child,
 }
@@ -28,7 +30,8 @@ impl SyscallCounter {
     /// Starts counting now.
     pub fn start(pid: u32) -> Result<Self, String> {
         let child = std::process::Command::new("perf")
-            .args(["stat", "-x", ",", "-e", "raw_syscalls:sys_enter", "-p"])
+            .args(["stat", "-x", ",", "-e", "raw_syscalls:sys_enter"])
+            .args(["-e", SENDS, "--filter", "len > 1", "-p"])
             .arg(pid.to_string())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
@@ -39,8 +42,8 @@ impl SyscallCounter {
         Ok(SyscallCounter { child })
     }
 
-    /// Stops counting and returns the number of system calls seen.
-    pub fn finish(self) -> Result<u64, String> {
+    /// Stops counting: the system calls seen, and of them the socket writes.
+    pub fn finish(self) -> Result<SyscallCounts, String> {
         // perf prints its counts on SIGINT; at worst the child already exited and the call fails.
         let _ = rustix::process::kill_process(
             rustix::process::Pid::from_child(&self.child),
@@ -51,19 +54,39 @@ impl SyscallCounter {
             .wait_with_output()
             .map_err(|e| format!("--syscalls: perf: {e}"))?;
         let text = String::from_utf8_lossy(&out.stderr);
-        parse_perf_count(&text).ok_or_else(|| {
-            format!(
-                "--syscalls: no count from perf (is tracing allowed here?): {}",
-                text.trim()
-            )
+        let count = |event| {
+            parse_perf_count(&text, event).ok_or_else(|| {
+                format!(
+                    "--syscalls: no {event} count from perf (is tracing allowed here?): {}",
+                    text.trim()
+                )
+            })
+        };
+        Ok(SyscallCounts {
+            all: count(ALL)?,
+            sends: count(SENDS)?,
         })
     }
 }
 
-/// The count from `perf stat -x ,` output (`<count>,,raw_syscalls:sys_enter,…`).
-fn parse_perf_count(text: &str) -> Option<u64> {
+/// Every system call.
+const ALL: &str = "raw_syscalls:sys_enter";
+/// Socket writes (counted with a filter: more than one byte).
+const SENDS: &str = "syscalls:sys_enter_sendto";
+
+/// What [`SyscallCounter`] counted.
+#[derive(Clone, Copy, Debug)]
+pub struct SyscallCounts {
+    /// Every system call.
+    pub all: u64,
+    /// `sendto` of more than one byte: the gRPC edge's socket writes.
+    pub sends: u64,
+}
+
+/// The count of `event` from `perf stat -x ,` output (`<count>,,<event>,…`).
+fn parse_perf_count(text: &str, event: &str) -> Option<u64> {
     text.lines()
-        .find(|l| l.contains("raw_syscalls:sys_enter"))
+        .find(|l| l.split(',').nth(2) == Some(event))
         .and_then(|l| l.split(',').next())
         .and_then(|n| n.trim().parse().ok())
 }
@@ -72,10 +95,12 @@ fn parse_perf_count(text: &str) -> Option<u64> {
 mod tests {
     #[test]
     fn parses_perf_stat_csv() {
-        let text = "12345,,raw_syscalls:sys_enter,1001234,100.00,,\n";
-        assert_eq!(super::parse_perf_count(text), Some(12345));
+        let text = "12345,,raw_syscalls:sys_enter,1001234,100.00,,\n\
+                    678,,syscalls:sys_enter_sendto,1001234,100.00,,\n";
+        assert_eq!(super::parse_perf_count(text, super::ALL), Some(12345));
+        assert_eq!(super::parse_perf_count(text, super::SENDS), Some(678));
         assert_eq!(
-            super::parse_perf_count("<not counted>,,raw_syscalls:sys_enter"),
+            super::parse_perf_count("<not counted>,,raw_syscalls:sys_enter", super::ALL),
             None
         );
     }

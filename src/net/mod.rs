@@ -15,10 +15,12 @@
 //! done so by then fails with `TimedOut` and is closed. After that the connection is left to
 //! HTTP/2's own keepalive.
 
+pub(crate) mod h2io;
+
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
@@ -247,13 +249,9 @@ pub struct EdgeIo {
     /// Bytes HTTP/2 wrote that are not on the socket yet ([`WRITE_COMBINE`]), from `wpos`.
     wbuf: Vec<u8>,
     wpos: usize,
-    /// Streams open on this connection ([`EdgeConnInfo::stream_opened`]).
-    streams: Arc<AtomicUsize>,
-    /// How many times in a row the flush was put off, and how much was held the last time
-    /// (`poll_flush` below).
-    flush_deferred: (u8, usize),
+    /// While set, a flush keeps what is held ([`FlushHold`]).
+    hold: FlushHold,
     handshake: Option<Box<Handshake>>,
-    info: tonic::transport::server::TcpConnectInfo,
     timeouts: prometheus::IntCounter,
 }
 
@@ -266,10 +264,6 @@ impl EdgeIo {
         timeout: Duration,
         timeouts: prometheus::IntCounter,
     ) -> Self {
-        let info = tonic::transport::server::TcpConnectInfo {
-            local_addr: sock.local_addr().ok(),
-            remote_addr: sock.peer_addr().ok(),
-        };
         let stream = match tls {
             Some(t) => Stream::Accepting(Box::new(t.0.accept(sock))),
             None => Stream::Plain(sock),
@@ -278,14 +272,12 @@ impl EdgeIo {
             stream,
             wbuf: Vec::new(),
             wpos: 0,
-            streams: Arc::default(),
-            flush_deferred: (0, 0),
+            hold: FlushHold::default(),
             handshake: Some(Box::new(Handshake {
                 deadline: Box::pin(tokio::time::sleep(timeout)),
                 head: [0; HEAD],
                 seen: 0,
             })),
-            info,
             timeouts,
         }
     }
@@ -378,14 +370,12 @@ impl AsyncRead for EdgeIo {
 /// Why writes are combined: h2 writes a DATA frame of 1 KiB or more (its payload not copied) in
 /// a write of its own after its buffer, and a connection's other frames (HEADERS, WINDOW_UPDATE,
 /// a small DATA) wait for their next flush. Holding what h2 writes until it flushes — it flushes
-/// after every round of frames, and when it needs room — turns each round into one system call.
+/// after every round of frames, and when its 16 KiB buffer needs room, a flush the connection's
+/// task holds back ([`FlushHold`]) — turns each round into one system call.
 /// h2 is told the stream is not vectored (`is_write_vectored`), so it copies DATA below 1 KiB
 /// into its 16 KiB buffer instead of writing each one alone: the streams sharing a connection
 /// then share its writes (measured in docs/performance.md).
-pub const WRITE_COMBINE: usize = 64 << 10;
-/// Most rounds a connection carrying several streams puts a flush off while its streams are
-/// still handing over frames.
-const MAX_FLUSH_DEFERRALS: u8 = 8;
+pub const WRITE_COMBINE: usize = 256 << 10;
 /// Capacity of the combining buffer a connection keeps between writes.
 const KEEP_WRITE_BUF: usize = 16 << 10;
 
@@ -436,24 +426,10 @@ impl AsyncWrite for EdgeIo {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let held = this.wbuf.len() - this.wpos;
-        let (times, last) = this.flush_deferred;
-        // Relaxed: a hint about sharing, not a hand-off of data; a stale count costs one round.
-        if held > 0
-            && held != last
-            && times < MAX_FLUSH_DEFERRALS
-            && this.streams.load(Ordering::Relaxed) > 1
-        {
-            // Several streams share this connection, and the record that woke one woke the
-            // others too (their tasks are queued or running): put the connection's task behind
-            // them in the run queue, so that their frames join this write — again while more
-            // keep coming, never more than MAX_FLUSH_DEFERRALS times. The self-wake guarantees
-            // the next round, and h2 flushes at the end of every poll of the connection.
-            this.flush_deferred = (times + 1, held);
-            cx.waker().wake_by_ref();
+        // Relaxed: set and read by the one task that drives this connection (`FlushHold`).
+        if this.hold.0.load(Ordering::Relaxed) && this.wbuf.len() - this.wpos < WRITE_COMBINE {
             return Poll::Ready(Ok(()));
         }
-        this.flush_deferred = (0, 0);
         ready!(this.poll_drain(cx))?;
         this.poll_io(cx, |s, cx| s.poll_flush(cx))
     }
@@ -471,41 +447,27 @@ impl AsyncWrite for EdgeIo {
     }
 }
 
-/// What a request knows of its connection (tonic puts it in every request's extensions): its
-/// addresses, and a count of the streams it carries, which decides how its writes are combined
-/// (see `poll_flush`).
-#[derive(Clone)]
-pub struct EdgeConnInfo {
-    /// The connection's addresses.
-    pub tcp: tonic::transport::server::TcpConnectInfo,
-    streams: Arc<AtomicUsize>,
-}
+/// Holds a connection's writes back across the flushes HTTP/2 asks for while its one task hands
+/// it a round of frames (all the streams a record woke), and lets them go with the last flush
+/// of the round: one system call per round however many streams the connection carries
+/// (`crate::fanout`'s connection driver). Held bytes go out anyway once [`WRITE_COMBINE`] is
+/// reached.
+#[derive(Clone, Default)]
+pub struct FlushHold(Arc<AtomicBool>);
 
-impl EdgeConnInfo {
-    /// Counts a long-lived stream on this connection until the guard is dropped.
-    pub fn stream_opened(&self) -> StreamOnConn {
-        self.streams.fetch_add(1, Ordering::Relaxed);
-        StreamOnConn(self.streams.clone())
+impl FlushHold {
+    /// Holds (`true`) or releases (`false`) the flushes that follow. Relaxed: the connection's
+    /// task sets it and the same task's next flush (`EdgeIo::poll_flush`) reads it; the value
+    /// hands over no data.
+    pub fn hold(&self, on: bool) {
+        self.0.store(on, Ordering::Relaxed);
     }
 }
 
-/// A stream counted on its connection ([`EdgeConnInfo::stream_opened`]).
-pub struct StreamOnConn(Arc<AtomicUsize>);
-
-impl Drop for StreamOnConn {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl tonic::transport::server::Connected for EdgeIo {
-    type ConnectInfo = EdgeConnInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        EdgeConnInfo {
-            tcp: self.info.clone(),
-            streams: self.streams.clone(),
-        }
+impl EdgeIo {
+    /// The handle that holds this connection's flushes ([`FlushHold`]).
+    pub fn flush_hold(&self) -> FlushHold {
+        self.hold.clone()
     }
 }
 
@@ -605,10 +567,9 @@ mod tests {
         }
     }
 
-    /// Writes are held until a flush; with one stream the flush writes at once, with several
-    /// it is put off (waking the task) while more keeps coming, then writes everything in one go.
+    /// Writes are held until a flush, and across flushes while the connection's task holds them.
     #[tokio::test]
-    async fn writes_are_held_until_a_flush_and_shared_connections_put_it_off() {
+    async fn writes_are_held_until_a_flush_and_across_flushes_while_held() {
         use tokio::io::AsyncReadExt;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let mut peer = TcpStream::connect(listener.local_addr().unwrap())
@@ -645,19 +606,27 @@ mod tests {
         assert_eq!(read(&mut peer, 4).await, b"abcd");
         assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
 
-        // Two streams: the first flush is put off (and wakes the task), so is the next while
-        // more was written in between; a flush with nothing new writes it all.
-        let info = tonic::transport::server::Connected::connect_info(&*io);
-        let (_s1, _s2) = (info.stream_opened(), info.stream_opened());
+        // Held: flushes keep the bytes until released (or the buffer is full).
+        let hold = io.flush_hold();
+        hold.hold(true);
         let _ = io.as_mut().poll_write(&mut cx, b"ef");
         assert!(io.as_mut().poll_flush(&mut cx).is_ready());
-        assert_eq!((wakes.0.load(Ordering::SeqCst), io.wbuf.len()), (1, 2));
         let _ = io.as_mut().poll_write(&mut cx, b"gh");
         assert!(io.as_mut().poll_flush(&mut cx).is_ready());
-        assert_eq!((wakes.0.load(Ordering::SeqCst), io.wbuf.len()), (2, 4));
+        assert_eq!(io.wbuf.len(), 4, "held across flushes");
+        let big = vec![7u8; WRITE_COMBINE];
+        let _ = io.as_mut().poll_write(&mut cx, &big[..WRITE_COMBINE - 4]);
+        assert!(io.as_mut().poll_flush(&mut cx).is_ready());
+        assert!(io.wbuf.is_empty(), "a full buffer is written while held");
+        let mut want = b"efgh".to_vec();
+        want.extend_from_slice(&big[..WRITE_COMBINE - 4]);
+        assert_eq!(read(&mut peer, WRITE_COMBINE).await, want);
+        let _ = io.as_mut().poll_write(&mut cx, b"ij");
+        assert!(io.as_mut().poll_flush(&mut cx).is_ready());
+        hold.hold(false);
         assert!(io.as_mut().poll_flush(&mut cx).is_ready());
         assert!(io.wbuf.is_empty());
-        assert_eq!(read(&mut peer, 4).await, b"efgh");
-        assert_eq!(wakes.0.load(Ordering::SeqCst), 2);
+        assert_eq!(read(&mut peer, 2).await, b"ij");
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0, "nothing wakes the task");
     }
 }

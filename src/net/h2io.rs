@@ -1,6 +1,8 @@
-//! The HTTP/2 plumbing both sides of the sidecar share, on the `h2` crate directly: a received
-//! body as an [`http_body::Body`] ([`RecvBody`]), a body piped into a send stream with flow
-//! control ([`Pipe`]), and connection keepalive ([`keepalive`]).
+//! The HTTP/2 plumbing the gRPC edge and both sides of the sidecar share, on the `h2` crate
+//! directly: a received body as an [`http_body::Body`] ([`RecvBody`]), a body piped into a send
+//! stream with flow control ([`Pipe`]), tonic routes served on an `h2` stream
+//! ([`serve_routes`]), the accept-and-drain loop ([`serve_connections`]) and connection
+//! keepalive ([`keepalive`]).
 //!
 //! **Why `h2` and not hyper.** hyper's HTTP/2 server and client are thin layers over `h2`, but
 //! each forwarded DATA frame crossed both of them (a body wrapper per side, a pipe task with its
@@ -533,6 +535,64 @@ impl OnRead for SettingsWatch {
             }
         }
     }
+}
+
+/// Serves one call with tonic `routes` (kvbridge's own services: health, reflection, and
+/// `SubscribeKvEvents` in sidecar mode): the client's stream as the request body, the route's
+/// response piped back with flow control.
+pub(crate) async fn serve_routes(
+    routes: tonic::service::Routes,
+    req: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+) {
+    use tower::ServiceExt;
+    let req = req.map(|b| tonic::body::Body::new(RecvBody::new(b)));
+    let resp = match routes.oneshot(req).await {
+        Ok(r) => r,
+        Err(e) => match e {},
+    };
+    let (parts, body) = resp.into_parts();
+    let end = body.is_end_stream();
+    let Ok(send) = respond.send_response(http::Response::from_parts(parts, ()), end) else {
+        return;
+    };
+    if !end {
+        let _ = Pipe::new(body, send, h2::Reason::INTERNAL_ERROR).await;
+    }
+}
+
+/// Serves the connections `incoming` yields, each on a task of its own (`connection(io,
+/// stopping)`), until `shutdown`. Then the listener closes (a new connection is refused at once
+/// rather than left in the backlog), `stopping` turns true for every open connection (it sends
+/// GOAWAY and ends when its last stream does), and this returns once they all have ended.
+pub(crate) async fn serve_connections<IO, C>(
+    incoming: impl futures_util::Stream<Item = IO> + Send,
+    shutdown: impl Future<Output = ()> + Send,
+    mut connection: impl FnMut(IO, tokio::sync::watch::Receiver<bool>) -> C + Send,
+) where
+    C: Future<Output = ()> + Send + 'static,
+{
+    use futures_util::StreamExt;
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    // Boxed, so that dropping it below closes the listener (a pinned local would live on).
+    let mut incoming = Box::pin(incoming);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let io = tokio::select! {
+            _ = &mut shutdown => break,
+            io = incoming.next() => match io {
+                Some(io) => io,
+                None => break,
+            },
+            // Reap finished connections as they end.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        connections.spawn(connection(io, stopping.clone()));
+    }
+    drop(incoming);
+    let _ = stop.send(true);
+    while connections.join_next().await.is_some() {}
 }
 
 /// The headers of a trailers-only response (`grpc-status`, `grpc-message`, ...) for `status`.
