@@ -182,8 +182,10 @@ impl Driver {
             return Poll::Ready(());
         }
         loop {
-            // What h2 flushes while the round hands it frames stays in the buffer.
-            self.hold.hold(true);
+            // What h2 flushes while the round hands it frames stays in the buffer. (With one
+            // stream h2's own flush at the end of the round is the only one: nothing to hold.)
+            let hold = self.live.len() + self.opening.len() > 1;
+            self.hold.hold(hold);
             let mut again = false;
             while let Poll::Ready(Some((respond, opened))) = self.opening.poll_next_unpin(cx) {
                 self.opened(respond, opened);
@@ -202,6 +204,9 @@ impl Driver {
             }
             if again {
                 continue;
+            }
+            if !hold {
+                return Poll::Pending;
             }
             // The round is done: the connection's flush writes it all.
             self.hold.hold(false);

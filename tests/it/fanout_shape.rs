@@ -8,35 +8,10 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
+use common::raw_h2::{self, read_messages};
 use common::*;
-use kvbridge::proto::common::SubscribeKvEventsRequest;
-use prost::Message;
 
 const RECORDS: usize = 300;
-
-/// The trailers, if they have arrived (the status of a stream that ended).
-fn trailers_of(body: &mut h2::RecvStream) -> Option<http::HeaderMap> {
-    let waker = std::task::Waker::noop();
-    let mut cx = std::task::Context::from_waker(waker);
-    match body.poll_trailers(&mut cx) {
-        std::task::Poll::Ready(Ok(t)) => t,
-        _ => None,
-    }
-}
-
-/// Whole gRPC messages at the start of `b`.
-fn count_messages(b: &[u8]) -> usize {
-    let (mut n, mut at) = (0, 0);
-    while at + 5 <= b.len() {
-        let len = u32::from_be_bytes(b[at + 1..at + 5].try_into().unwrap()) as usize;
-        if at + 5 + len > b.len() {
-            break;
-        }
-        at += 5 + len;
-        n += 1;
-    }
-    n
-}
 
 /// A simulated engine and a bridge fed by it, with `extra` flags.
 fn engine_and_bridge(extra: &[&str]) -> (tempfile::TempDir, Engine, Bridge) {
@@ -53,54 +28,10 @@ fn engine_and_bridge(extra: &[&str]) -> (tempfile::TempDir, Engine, Bridge) {
     (dir, e, bridge)
 }
 
-/// Reads DATA frames until at least `n` whole gRPC messages came: (frames, messages).
-async fn read_messages(body: &mut h2::RecvStream, n: usize) -> (usize, usize) {
-    let (mut frames, mut bytes) = (0usize, Vec::new());
-    while count_messages(&bytes) < n {
-        let chunk = tokio::time::timeout(Duration::from_secs(30), body.data())
-            .await
-            .unwrap_or_else(|_| panic!("timed out: {} of {n} messages", count_messages(&bytes)))
-            .unwrap_or_else(|| panic!("stream ended: {:?}", trailers_of(body)))
-            .unwrap();
-        body.flow_control().release_capacity(chunk.len()).unwrap();
-        frames += 1;
-        bytes.extend_from_slice(&chunk);
-    }
-    (frames, count_messages(&bytes))
-}
-
-/// `SubscribeKvEvents` from 0 over a raw HTTP/2 client, which sees DATA frames one by one: the
-/// response body, once the headers have come (the subscription is open).
+/// `SubscribeKvEvents` from 0 on a connection of its own (4 MiB windows).
 async fn raw_subscribe(grpc: std::net::SocketAddr) -> h2::RecvStream {
-    let tcp = tokio::net::TcpStream::connect(grpc).await.unwrap();
-    tcp.set_nodelay(true).unwrap();
-    let (client, conn) = h2::client::Builder::new()
-        .initial_window_size(4 << 20)
-        .initial_connection_window_size(4 << 20)
-        .handshake::<_, bytes::Bytes>(tcp)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let mut client = client.ready().await.unwrap();
-    let path = kvbridge::proto::ENGINE_SERVICES[0].path;
-    let req = http::Request::post(format!("http://{grpc}{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    let (resp, mut send) = client.send_request(req, false).unwrap();
-    let msg = SubscribeKvEventsRequest {
-        start_sequence_number: 0,
-        load_records_before_first_batch: false,
-    }
-    .encode_to_vec();
-    let mut framed = vec![0u8];
-    framed.extend((msg.len() as u32).to_be_bytes());
-    framed.extend(msg);
-    send.send_data(framed.into(), true).unwrap();
-    let resp = resp.await.unwrap();
-    assert_eq!(resp.status(), 200);
-    resp.into_body()
+    let mut client = raw_h2::connect(grpc, 4 << 20, 4 << 20).await;
+    raw_h2::subscribe(&mut client, grpc, 0).await
 }
 
 /// With `--fanout-linger`, a live record waits for the ones that follow it within the linger,

@@ -41,6 +41,7 @@ mod decode_prop_splits;
 mod decode_vectors;
 mod deploy;
 mod engine_incarnation;
+mod fanout_flow_control;
 mod fanout_shape;
 mod freshness;
 mod gateway;

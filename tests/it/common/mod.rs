@@ -9,6 +9,7 @@ pub mod nats;
 pub mod ops;
 pub mod prop_batch;
 pub mod proxy;
+pub mod raw_h2;
 pub mod real_engine;
 pub mod smg;
 pub mod zmq_publish;
