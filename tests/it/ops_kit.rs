@@ -194,6 +194,9 @@ async fn every_metric_the_dashboard_and_the_alerts_query_is_served() {
     );
 
     // Batches, an undecodable one, frames dropped before decoding, and a gap replay fills.
+    // Not before the subscription has reached the engine: a PUB socket drops what it sends
+    // until then, and replay cannot bring back the two frames that are not batches.
+    e.wait_subscribed();
     let mut parent = None;
     for i in 0..10 {
         let ev = store(100 + i, 2, parent);

@@ -37,8 +37,11 @@ pub async fn channel(url: &str) -> Channel {
         .unwrap()
 }
 
-/// Publishes `n` chained stores of `blocks` blocks each; returns their hashes in order.
+/// Publishes `n` chained stores of `blocks` blocks each, once `e` has a subscriber; returns their
+/// hashes in order.
 pub fn publish_stores(e: &Engine, seed: u64, n: usize, blocks: usize) -> Vec<u64> {
+    // A PUB socket drops what it sends before the subscription reaches it.
+    e.wait_subscribed();
     let mut parent = None;
     let mut all = Vec::new();
     for i in 0..n as u64 {
