@@ -16,8 +16,9 @@
 //! the buffer) until a WINDOW_UPDATE wakes the task, and a subscriber that falls a ring behind
 //! gets `DATA_LOSS` as anywhere else.
 //!
-//! **Everything else** on the connection — health, reflection, an unknown path — is served by the
-//! edge's tonic routes on a task of its own, as in sidecar mode (`crate::net::h2io`).
+//! **Everything else** on the connection is the server's to serve ([`Others`]), each call on a
+//! task of its own: the edge's tonic routes (health, reflection, an unknown path), and in sidecar
+//! mode (`crate::proxy`) the calls forwarded to the engine.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -33,18 +34,45 @@ use tonic::Status;
 use super::body::RecordsBody;
 use super::call::{stream_headers, PathHandler};
 use crate::net::h2io::{self, RecvBody};
-use crate::net::{EdgeIo, FlushHold};
+use crate::net::FlushHold;
 
-/// What the edge's connections share: the four `SubscribeKvEvents` handlers and the routes
-/// for every other path.
-pub(super) struct Paths {
+/// The four `SubscribeKvEvents` handlers every connection of the edge serves streams with.
+pub struct Streams {
     pub(super) subscribe: Vec<PathHandler>,
-    pub(super) routes: tonic::service::Routes,
 }
 
-impl Paths {
+impl Streams {
     fn subscribe(&self, path: &str) -> Option<&PathHandler> {
         self.subscribe.iter().find(|h| h.path() == path)
+    }
+}
+
+/// A call as it arrives on a connection.
+pub type Call = http::Request<h2::RecvStream>;
+/// [`Others::admit`].
+pub type Admit = dyn FnMut(&Call) -> Result<(), Status> + Send;
+/// [`Others::serve`].
+pub type ServeOther = dyn Fn(Call, h2::server::SendResponse<Bytes>) + Send + Sync;
+
+/// What a connection does with the calls that are not `SubscribeKvEvents` streams, and which
+/// calls it takes at all.
+pub struct Others {
+    /// Checks each call's headers before it is served; an error refuses the call with that
+    /// status and closes the connection (`ENHANCE_YOUR_CALM`).
+    pub admit: Box<Admit>,
+    /// Serves a call that is not a `SubscribeKvEvents` stream, on a task of its own.
+    pub serve: Box<ServeOther>,
+}
+
+impl Others {
+    /// Every call admitted, and served by tonic `routes`.
+    pub fn routes(routes: tonic::service::Routes) -> Self {
+        Others {
+            admit: Box::new(|_| Ok(())),
+            serve: Box::new(move |req, respond| {
+                tokio::spawn(h2io::serve_routes(routes.clone(), req, respond));
+            }),
+        }
     }
 }
 
@@ -124,14 +152,18 @@ fn status_trailers(status: &Status) -> http::HeaderMap {
 }
 
 /// Serves one accepted connection until the client closes it, stops answering keepalive pings,
-/// or (after `stopping`) its last stream ends.
-pub(super) async fn serve(
-    paths: Arc<Paths>,
+/// or (after `stopping`) its last stream ends: `SubscribeKvEvents` streams in this task, the
+/// other calls as `others` says. `hold` is `io`'s ([`crate::net::EdgeIo::flush_hold`]).
+pub async fn serve<IO>(
+    streams: Arc<Streams>,
     builder: h2::server::Builder,
-    io: EdgeIo,
+    io: IO,
+    hold: FlushHold,
     mut stopping: tokio::sync::watch::Receiver<bool>,
-) {
-    let hold = io.flush_hold();
+    others: Others,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let mut conn = match builder.handshake::<_, Bytes>(io).await {
         Ok(c) => c,
         Err(e) => {
@@ -147,7 +179,8 @@ pub(super) async fn serve(
     let mut driver = Driver {
         conn,
         hold,
-        paths,
+        streams,
+        others,
         keepalive,
         stop: Box::pin(async move {
             let _ = stopping.wait_for(|s| *s).await;
@@ -160,10 +193,11 @@ pub(super) async fn serve(
 }
 
 /// The connection and its streams (see the module docs).
-struct Driver {
-    conn: h2::server::Connection<EdgeIo, Bytes>,
+struct Driver<IO> {
+    conn: h2::server::Connection<IO, Bytes>,
     hold: FlushHold,
-    paths: Arc<Paths>,
+    streams: Arc<Streams>,
+    others: Others,
     keepalive: Pin<Box<dyn Future<Output = ()> + Send>>,
     stop: Pin<Box<dyn Future<Output = ()> + Send>>,
     stopping: bool,
@@ -171,7 +205,10 @@ struct Driver {
     live: Vec<Live>,
 }
 
-impl Driver {
+impl<IO> Driver<IO>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     /// One round: new requests, opened streams, every stream's records, then one write.
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         if !self.stopping && self.stop.as_mut().poll(cx).is_ready() {
@@ -227,15 +264,21 @@ impl Driver {
         Poll::Ready(())
     }
 
-    /// A new request: a `SubscribeKvEvents` stream is opened here; any other call is served by
-    /// the routes on a task of its own.
+    /// A new request: refused (and the connection closed) if not admitted; a `SubscribeKvEvents`
+    /// stream is opened here; any other call is the server's ([`Others`]).
     fn accept(
         &mut self,
         req: http::Request<h2::RecvStream>,
-        respond: h2::server::SendResponse<Bytes>,
+        mut respond: h2::server::SendResponse<Bytes>,
     ) {
-        let Some(handler) = self.paths.subscribe(req.uri().path()).cloned() else {
-            tokio::spawn(h2io::serve_routes(self.paths.routes.clone(), req, respond));
+        if let Err(status) = (self.others.admit)(&req) {
+            tracing::warn!(error = %status.message(), "closing a gRPC connection: ENHANCE_YOUR_CALM");
+            let _ = respond.send_response(h2io::status_headers(&status), true);
+            self.conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+            return;
+        }
+        let Some(handler) = self.streams.subscribe(req.uri().path()).cloned() else {
+            (self.others.serve)(req, respond);
             return;
         };
         let (parts, body) = req.into_parts();

@@ -43,6 +43,7 @@ pub use config::{
     DEFAULT_MAX_STREAMS_PER_CONNECTION, DEFAULT_MAX_SUBSCRIBERS, MAX_FANOUT_LINGER,
     MAX_HANDSHAKE_TIMEOUT_MS,
 };
+pub use conn::{serve as serve_connection, Admit, Call, Others, ServeOther, Streams};
 pub use load::{with_load_records, LoadFeed, LoadSample, WithLoadRecords};
 pub use metrics::FanoutMetrics;
 pub use service::{edge, service_names, Edge, EdgeOptions, EdgeParts};

@@ -81,8 +81,8 @@ pub fn service_names() -> Vec<&'static str> {
 /// The gRPC edge, ready to serve: the router and what wraps every accepted connection.
 pub struct Edge {
     routes: tonic::service::Routes,
-    /// The four `SubscribeKvEvents` handlers, served by the edge's own connections.
-    subscribe: Vec<PathHandler>,
+    /// The four `SubscribeKvEvents` handlers every connection serves its streams with.
+    streams: Arc<super::conn::Streams>,
     max_streams: Option<u32>,
     secrets: Arc<crate::secrets::Secrets>,
     reload: Option<crate::secrets::SecretFiles>,
@@ -104,13 +104,15 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
         .unwrap_or(Duration::from_millis(super::DEFAULT_HANDSHAKE_TIMEOUT_MS));
     let metrics = fanout.metrics.clone();
     let secrets = Arc::new(crate::secrets::Secrets::new(tls, opts.auth_token.clone()));
-    let subscribe = crate::proto::ENGINE_SERVICES
-        .iter()
-        .map(|s| PathHandler::new(fanout.clone(), s.path, secrets.clone()))
-        .collect();
+    let streams = Arc::new(super::conn::Streams {
+        subscribe: crate::proto::ENGINE_SERVICES
+            .iter()
+            .map(|s| PathHandler::new(fanout.clone(), s.path, secrets.clone()))
+            .collect(),
+    });
     Ok(Edge {
         routes: routes_with(fanout, opts, &secrets),
-        subscribe,
+        streams,
         max_streams: opts.max_streams_per_connection,
         secrets,
         reload: opts.reload.clone(),
@@ -159,6 +161,9 @@ pub(crate) const CLIENT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct EdgeParts {
     /// kvbridge's own services.
     pub routes: tonic::service::Routes,
+    /// The `SubscribeKvEvents` handlers a connection serves its streams with
+    /// ([`super::serve_connection`]).
+    pub streams: Arc<super::conn::Streams>,
     /// HTTP/2 max concurrent streams per connection, as configured (`None`: not given).
     pub max_streams: Option<u32>,
     secrets: Arc<crate::secrets::Secrets>,
@@ -189,7 +194,7 @@ impl Edge {
     pub fn into_parts(self) -> EdgeParts {
         let Edge {
             routes,
-            subscribe: _,
+            streams,
             max_streams,
             secrets,
             reload,
@@ -200,6 +205,7 @@ impl Edge {
             .map(|files| AbortOnDrop(tokio::spawn(crate::secrets::watch(secrets.clone(), files))));
         EdgeParts {
             routes,
+            streams,
             max_streams,
             secrets,
             handshake_timeout,
@@ -215,7 +221,7 @@ impl Edge {
     /// [`crate::net::EdgeIo`] (TLS, handshake deadline) and served by one task
     /// (`super::conn`: the connection and every stream it carries).
     pub async fn serve(
-        mut self,
+        self,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
@@ -229,14 +235,20 @@ impl Edge {
         if let Some(n) = self.max_streams {
             builder.max_concurrent_streams(n);
         }
-        let paths = Arc::new(super::conn::Paths {
-            subscribe: std::mem::take(&mut self.subscribe),
-            routes: self.routes.clone(),
-        });
         let parts = self.into_parts();
+        let streams = parts.streams.clone();
         let incoming = parts.incoming(listener);
+        let routes = parts.routes.clone();
         crate::net::h2io::serve_connections(incoming, shutdown, |io, stopping| {
-            super::conn::serve(paths.clone(), builder.clone(), io, stopping)
+            let hold = io.flush_hold();
+            super::conn::serve(
+                streams.clone(),
+                builder.clone(),
+                io,
+                hold,
+                stopping,
+                super::conn::Others::routes(routes.clone()),
+            )
         })
         .await;
     }

@@ -17,8 +17,10 @@
 //! `grpc-timeout` handling, which answers `CANCELLED` on its own when a deadline passes before
 //! response headers. A forwarded call's deadline belongs to the engine (it answers
 //! `DEADLINE_EXCEEDED` itself, with its own message), so in sidecar mode connections are served
-//! on the `h2` crate directly (see `crate::net::h2io` for why not hyper), with the same HTTP/2 settings,
-//! and kvbridge's own services are tonic's [`Routes`] called from there.
+//! on the `h2` crate directly (see `crate::net::h2io` for why not hyper), with the same HTTP/2
+//! settings, by the gRPC edge's own connection loop (`crate::fanout::serve_connection`:
+//! `SubscribeKvEvents` streams in the connection's task); kvbridge's other services are tonic's
+//! [`Routes`] called from there.
 //!
 //! **Why one thread.** Everything the sidecar does runs on a `current_thread` runtime of its own
 //! (the listener, client connections, engine connections, the probe and the load poller): a
@@ -40,10 +42,9 @@ mod metrics;
 mod upstream;
 
 use std::collections::HashSet;
-use std::future::{poll_fn, Future};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -251,8 +252,14 @@ impl Sidecar {
                 .max_streams
                 .unwrap_or(PROXY_MAX_STREAMS_PER_CONNECTION);
             let incoming = parts.incoming(listener);
-            s.serve(parts.routes.clone(), incoming, max_streams, shutdown)
-                .await;
+            s.serve(
+                parts.routes.clone(),
+                parts.streams.clone(),
+                incoming,
+                max_streams,
+                shutdown,
+            )
+            .await;
         });
         // Aborted with this future: serving ends when its caller stops waiting.
         struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -270,16 +277,14 @@ impl Sidecar {
     /// elsewhere and `max_streams` streams per connection; kvbridge's `routes` for [`is_ours`]
     /// paths, the engine for the rest. On shutdown, open connections get a GOAWAY and up to the
     /// caller's patience to finish.
-    pub async fn serve<I, IO>(
+    pub async fn serve(
         self: Arc<Self>,
         routes: Routes,
-        incoming: I,
+        streams: Arc<crate::fanout::Streams>,
+        incoming: impl futures_util::Stream<Item = crate::net::EdgeIo> + Send,
         max_streams: u32,
         shutdown: impl std::future::Future<Output = ()> + Send,
-    ) where
-        I: futures_util::Stream<Item = IO> + Send,
-        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    {
+    ) {
         self.upstream.set_client_limit(max_streams);
         let mut builder = h2::server::Builder::new();
         builder
@@ -298,23 +303,29 @@ impl Sidecar {
             }
         };
         h2io::serve_connections(incoming, stop, |io, stopping| {
-            self.clone()
-                .connection(routes.clone(), builder.clone(), io, stopping)
+            self.clone().connection(
+                routes.clone(),
+                streams.clone(),
+                builder.clone(),
+                io,
+                stopping,
+            )
         })
         .await;
     }
 
-    /// One client connection: its streams, each a task of its own, until the client closes it,
-    /// stops answering keepalive pings, or (after `stopping`) its last stream ends.
-    async fn connection<IO>(
+    /// One client connection, until the client closes it, stops answering keepalive pings, or
+    /// (after `stopping`) its last stream ends: served as the edge serves its own
+    /// ([`crate::fanout::serve_connection`]: `SubscribeKvEvents` streams in the connection's
+    /// task), with every other call on a task of its own, kvbridge's or forwarded.
+    async fn connection(
         self: Arc<Self>,
         routes: Routes,
+        streams: Arc<crate::fanout::Streams>,
         builder: h2::server::Builder,
-        io: IO,
-        mut stopping: tokio::sync::watch::Receiver<bool>,
-    ) where
-        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    {
+        io: crate::net::EdgeIo,
+        stopping: tokio::sync::watch::Receiver<bool>,
+    ) {
         // Header lists as large as the engine accepts, decoded bytes bounded by what arrived;
         // request bytes in flight bounded by the connection's window, from its buffer budget.
         let budget = Arc::new(self.budgets.connection());
@@ -327,62 +338,28 @@ impl Sidecar {
             wire: wire.clone(),
             decoded: 0,
         };
+        let hold = io.flush_hold();
         let io = h2io::Tap::new(io, wire);
-        let mut conn = match builder.handshake::<_, Bytes>(io).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::debug!(error = %e, "gRPC connection ended in its handshake");
-                return;
-            }
+        let metrics = self.metrics.clone();
+        let sidecar = self.clone();
+        let others = crate::fanout::Others {
+            admit: Box::new(move |req| {
+                headers.admit(req).inspect_err(|_| {
+                    metrics
+                        .calls
+                        .with_label_values(&[&method_label(req.uri().path()), "resource_exhausted"])
+                        .inc();
+                })
+            }),
+            serve: Box::new(move |req, respond| {
+                tokio::spawn(
+                    sidecar
+                        .clone()
+                        .handle(routes.clone(), budget.clone(), req, respond),
+                );
+            }),
         };
-        let mut keepalive = std::pin::pin!(h2io::keepalive(
-            conn.ping_pong(),
-            crate::fanout::CLIENT_KEEPALIVE_INTERVAL,
-            crate::fanout::CLIENT_KEEPALIVE_TIMEOUT
-        ));
-        let mut stop = std::pin::pin!(async move {
-            let _ = stopping.wait_for(|s| *s).await;
-        });
-        let mut graceful = false;
-        loop {
-            let next = poll_fn(|cx| {
-                if !graceful && stop.as_mut().poll(cx).is_ready() {
-                    graceful = true;
-                    conn.graceful_shutdown();
-                }
-                if keepalive.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(None);
-                }
-                conn.poll_accept(cx)
-            })
-            .await;
-            match next {
-                Some(Ok((req, mut respond))) => {
-                    if let Err(status) = headers.admit(&req) {
-                        tracing::warn!(error = %status.message(), "closing a gRPC connection: ENHANCE_YOUR_CALM");
-                        self.metrics
-                            .calls
-                            .with_label_values(&[
-                                &method_label(req.uri().path()),
-                                "resource_exhausted",
-                            ])
-                            .inc();
-                        let _ = respond.send_response(h2io::status_headers(&status), true);
-                        conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
-                        continue;
-                    }
-                    tokio::spawn(
-                        self.clone()
-                            .handle(routes.clone(), budget.clone(), req, respond),
-                    );
-                }
-                Some(Err(e)) => {
-                    tracing::debug!(error = %e, "gRPC connection ended");
-                    return;
-                }
-                None => return,
-            }
-        }
+        crate::fanout::serve_connection(streams, builder, io, hold, stopping, others).await;
     }
 }
 
