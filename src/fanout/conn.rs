@@ -176,8 +176,11 @@ pub async fn serve<IO>(
         super::CLIENT_KEEPALIVE_INTERVAL,
         super::CLIENT_KEEPALIVE_TIMEOUT,
     ));
+    let wake = Arc::new(ConnWake::default());
     let mut driver = Driver {
         conn,
+        conn_waker: std::task::Waker::from(wake.clone()),
+        wake,
         hold,
         streams,
         others,
@@ -195,6 +198,9 @@ pub async fn serve<IO>(
 /// The connection and its streams (see the module docs).
 struct Driver<IO> {
     conn: h2::server::Connection<IO, Bytes>,
+    /// The waker the connection is polled with ([`ConnWake`]).
+    wake: Arc<ConnWake>,
+    conn_waker: std::task::Waker,
     hold: FlushHold,
     streams: Arc<Streams>,
     others: Others,
@@ -205,12 +211,90 @@ struct Driver<IO> {
     live: Vec<Live>,
 }
 
+/// The waker h2 holds for the connection. h2 wakes its connection's task for the first frame a
+/// stream queues after each poll of the connection, and here the streams' frames are queued by
+/// the connection's own task, in the round that polls the connection next: a wake-up of the task
+/// per round for nothing. A wake that comes while the task is polling only marks the round for
+/// a rerun (if it came after the connection's poll); one that comes between polls wakes the task.
+#[derive(Default)]
+struct ConnWake(parking_lot::Mutex<ConnWakeState>);
+
+#[derive(Default)]
+struct ConnWakeState {
+    /// The task's own waker, as of its last poll.
+    task: Option<std::task::Waker>,
+    /// The task is polling.
+    polling: bool,
+    /// Woken while polling.
+    woken: bool,
+}
+
+impl ConnWake {
+    /// A poll of the task starts.
+    fn start(&self, task: &std::task::Waker) {
+        let mut s = self.0.lock();
+        s.polling = true;
+        s.woken = false;
+        if !s.task.as_ref().is_some_and(|t| t.will_wake(task)) {
+            s.task = Some(task.clone());
+        }
+    }
+
+    /// The connection is polled next: what woke it so far is served by that poll.
+    fn covered(&self) {
+        self.0.lock().woken = false;
+    }
+
+    /// The poll ends; true if a wake came meanwhile (poll again). One lock with `wake_by_ref`:
+    /// a wake either sees `polling` and is returned here, or sees it cleared and wakes the task.
+    fn finish(&self) -> bool {
+        let mut s = self.0.lock();
+        s.polling = false;
+        std::mem::take(&mut s.woken)
+    }
+}
+
+impl std::task::Wake for ConnWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let task = {
+            let mut s = self.0.lock();
+            s.woken = true;
+            if s.polling {
+                None
+            } else {
+                s.task.clone()
+            }
+        };
+        if let Some(t) = task {
+            t.wake();
+        }
+    }
+}
+
 impl<IO> Driver<IO>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    /// One round: new requests, opened streams, every stream's records, then one write.
+    /// Polls until the connection and every stream wait; a wake that came in meanwhile
+    /// ([`ConnWake`]) means another round now rather than another poll of the task.
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            self.wake.start(cx.waker());
+            if self.round(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            if !self.wake.finish() {
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// One round: new requests, opened streams, every stream's records, then one write.
+    fn round(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         if !self.stopping && self.stop.as_mut().poll(cx).is_ready() {
             self.stopping = true;
             self.conn.graceful_shutdown();
@@ -218,6 +302,8 @@ where
         if self.keepalive.as_mut().poll(cx).is_ready() {
             return Poll::Ready(());
         }
+        let conn_waker = self.conn_waker.clone();
+        let mut conn_cx = Context::from_waker(&conn_waker);
         loop {
             // What h2 flushes while the round hands it frames stays in the buffer. (With one
             // stream h2's own flush at the end of the round is the only one: nothing to hold.)
@@ -228,8 +314,10 @@ where
                 self.opened(respond, opened);
             }
             self.live.retain_mut(|s| s.poll(cx).is_pending());
+            // The wakes the streams' frames gave the connection are served by this poll.
+            self.wake.covered();
             loop {
-                match self.conn.poll_accept(cx) {
+                match self.conn.poll_accept(&mut conn_cx) {
                     Poll::Ready(Some(Ok((req, respond)))) => {
                         self.accept(req, respond);
                         again = true;
@@ -247,7 +335,7 @@ where
             }
             // The round is done: the connection's flush writes it all.
             self.hold.hold(false);
-            match self.conn.poll_accept(cx) {
+            match self.conn.poll_accept(&mut conn_cx) {
                 Poll::Ready(Some(Ok((req, respond)))) => self.accept(req, respond),
                 Poll::Ready(Some(Err(e))) => return self.ended(Some(e)),
                 Poll::Ready(None) => return self.ended(None),
@@ -307,5 +395,48 @@ where
                 let _ = respond.send_response(h2io::status_headers(&status), true);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts wake-ups.
+    struct Wakes(AtomicUsize);
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A wake while the task polls reruns the round instead of waking the task; one after the
+    /// poll wakes it; one before the connection's poll is served by that poll.
+    #[test]
+    fn a_wake_during_the_poll_is_a_rerun_and_after_it_a_wake_up() {
+        let wakes = Arc::new(Wakes(AtomicUsize::new(0)));
+        let task = std::task::Waker::from(wakes.clone());
+        let wake = Arc::new(ConnWake::default());
+        let conn = std::task::Waker::from(wake.clone());
+
+        wake.start(&task);
+        conn.wake_by_ref();
+        assert!(wake.finish(), "woken while polling: poll again");
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+
+        wake.start(&task);
+        conn.wake_by_ref();
+        wake.covered();
+        assert!(!wake.finish(), "served by the connection's poll");
+
+        conn.wake_by_ref();
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            1,
+            "between polls the task is woken"
+        );
+        wake.start(&task);
+        assert!(!wake.finish(), "that wake started this poll");
     }
 }
