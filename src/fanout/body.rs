@@ -84,6 +84,16 @@ impl Accounting {
     }
 }
 
+/// Trailers carrying `status` (`grpc-status`, `grpc-message`, ...).
+pub(super) fn status_trailers(status: &Status) -> http::HeaderMap {
+    let mut trailers = http::HeaderMap::new();
+    // A message that cannot be a header value still leaves the code.
+    if status.add_header(&mut trailers).is_err() {
+        trailers.insert(Status::GRPC_STATUS, (status.code() as i32).into());
+    }
+    trailers
+}
+
 /// The body: see the module docs.
 pub(super) struct RecordsBody {
     records: Records,
@@ -188,12 +198,7 @@ impl http_body::Body for RecordsBody {
                 if s.code() != tonic::Code::Ok {
                     this.acct.ended(&s);
                 }
-                let mut trailers = http::HeaderMap::new();
-                // A message that cannot be a header value still leaves the code.
-                if s.add_header(&mut trailers).is_err() {
-                    trailers.insert(Status::GRPC_STATUS, (s.code() as i32).into());
-                }
-                Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+                Poll::Ready(Some(Ok(Frame::trailers(status_trailers(&s)))))
             }
             None => Poll::Pending,
         }

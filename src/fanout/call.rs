@@ -1,8 +1,8 @@
 //! One `SubscribeKvEvents` call: the request read and checked (the bearer token, the one
 //! length-prefixed request message), the subscription opened, and the response it gets — the
 //! stream's headers and its body of framed records ([`RecordsBody`]), or the status it ends
-//! with at once. The edge's connections (`conn.rs`) and, in sidecar mode, the tonic routes
-//! (`service.rs`) both serve calls through [`PathHandler`].
+//! with at once. The edge's connections (`conn.rs`) serve calls through [`PathHandler`], in
+//! sidecar mode too.
 //!
 //! The call is served by hand rather than by tonic's generated servers, because the response
 //! is already on the wire format: every record is one framed gRPC message, and the body
@@ -168,29 +168,6 @@ impl PathHandler {
             metrics: self.fanout.metrics.clone(),
         };
         Ok((ring_id, RecordsBody::new(records, self.fanout.linger, acct)))
-    }
-
-    /// One call as a tower service sees it (sidecar mode serves the routes that way).
-    pub(super) async fn serve(
-        self,
-        req: http::Request<tonic::body::Body>,
-    ) -> http::Response<tonic::body::Body> {
-        if req.uri().path() != self.path {
-            return Status::unimplemented(format!(
-                "{}: kvbridge serves only SubscribeKvEvents",
-                req.uri().path()
-            ))
-            .into_http();
-        }
-        let (parts, body) = req.into_parts();
-        match self.call(parts.headers, body).await {
-            Ok((ring_id, body)) => {
-                let mut response = http::Response::new(tonic::body::Body::new(body));
-                *response.headers_mut() = stream_headers(ring_id);
-                response
-            }
-            Err(s) => s.into_http(),
-        }
     }
 
     /// Opens the subscription: its records (with load records if asked for and available)

@@ -31,7 +31,7 @@ use futures_util::StreamExt;
 use http_body::Body as _;
 use tonic::Status;
 
-use super::body::RecordsBody;
+use super::body::{status_trailers, RecordsBody};
 use super::call::{stream_headers, PathHandler};
 use crate::net::h2io::{self, RecvBody};
 use crate::net::FlushHold;
@@ -140,15 +140,6 @@ impl Live {
             }
         }
     }
-}
-
-/// Trailers carrying `status`.
-fn status_trailers(status: &Status) -> http::HeaderMap {
-    let mut trailers = http::HeaderMap::new();
-    if status.add_header(&mut trailers).is_err() {
-        trailers.insert(Status::GRPC_STATUS, (status.code() as i32).into());
-    }
-    trailers
 }
 
 /// Serves one accepted connection until the client closes it, stops answering keepalive pings,

@@ -2,9 +2,10 @@
 //! delegating to one [`Fanout`], plus the HTTP/2 settings SMG gateways need (docs/smg-api.md
 //! §3.1).
 //!
-//! Each accepted connection is served by one task (`conn.rs`); a call is served by
-//! [`PathHandler`] (`call.rs`). The tonic routes ([`Subscribe`] per path, health, reflection)
-//! serve every other path, and all of them in sidecar mode (`crate::proxy`).
+//! Each accepted connection is served by one task (`conn.rs`), which opens every
+//! `SubscribeKvEvents` stream itself through [`PathHandler`] (`call.rs`), in sidecar mode too.
+//! The tonic routes serve every other path: health, reflection, and `UNIMPLEMENTED` for the
+//! engine services' other methods ([`OtherMethods`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,21 +16,21 @@ use futures_util::Stream;
 use super::call::PathHandler;
 use super::Fanout;
 
-/// `SubscribeKvEvents` of entry `I` of [`crate::proto::ENGINE_SERVICES`]: one type per service,
-/// since the router finds a service by its name.
+/// The methods other than `SubscribeKvEvents` of entry `I` of
+/// [`crate::proto::ENGINE_SERVICES`], which kvbridge does not serve: one type per service, since
+/// the router finds a service by its name. (`SubscribeKvEvents` itself never reaches the routes:
+/// the connection opens those streams.)
 #[derive(Clone)]
-struct Subscribe<const I: usize>(PathHandler);
+struct OtherMethods<const I: usize>;
 
-impl<const I: usize> tonic::server::NamedService for Subscribe<I> {
+impl<const I: usize> tonic::server::NamedService for OtherMethods<I> {
     const NAME: &'static str = crate::proto::ENGINE_SERVICES[I].service;
 }
 
-impl<const I: usize> tower::Service<http::Request<tonic::body::Body>> for Subscribe<I> {
+impl<const I: usize> tower::Service<http::Request<tonic::body::Body>> for OtherMethods<I> {
     type Response = http::Response<tonic::body::Body>;
     type Error = Infallible;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>,
-    >;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
 
     fn poll_ready(
         &mut self,
@@ -39,14 +40,11 @@ impl<const I: usize> tower::Service<http::Request<tonic::body::Body>> for Subscr
     }
 
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
-        let handler = self.0.clone();
-        Box::pin(async move { Ok(handler.serve(req).await) })
-    }
-}
-
-impl<const I: usize> Subscribe<I> {
-    fn new(handler: &impl Fn(&'static str) -> PathHandler) -> Self {
-        Subscribe(handler(crate::proto::ENGINE_SERVICES[I].path))
+        std::future::ready(Ok(tonic::Status::unimplemented(format!(
+            "{}: kvbridge serves only SubscribeKvEvents",
+            req.uri().path()
+        ))
+        .into_http()))
     }
 }
 
@@ -111,7 +109,7 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
             .collect(),
     });
     Ok(Edge {
-        routes: routes_with(fanout, opts, &secrets),
+        routes: routes_with(opts),
         streams,
         max_streams: opts.max_streams_per_connection,
         secrets,
@@ -121,12 +119,9 @@ pub fn edge(fanout: Arc<Fanout>, opts: &EdgeOptions) -> Result<Edge, String> {
     })
 }
 
-fn routes_with(
-    fanout: Arc<Fanout>,
-    opts: &EdgeOptions,
-    secrets: &Arc<crate::secrets::Secrets>,
-) -> tonic::service::Routes {
-    let h = |path: &'static str| PathHandler::new(fanout.clone(), path, secrets.clone());
+/// The routes for every path but `SubscribeKvEvents`: the engine services' other methods,
+/// reflection, and health when `opts` has it.
+fn routes_with(opts: &EdgeOptions) -> tonic::service::Routes {
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -134,10 +129,10 @@ fn routes_with(
     };
     let v1 = reflection().build_v1().expect("valid descriptor set");
     let v1alpha = reflection().build_v1alpha().expect("valid descriptor set");
-    let mut routes = tonic::service::Routes::new(Subscribe::<0>::new(&h))
-        .add_service(Subscribe::<1>::new(&h))
-        .add_service(Subscribe::<2>::new(&h))
-        .add_service(Subscribe::<3>::new(&h))
+    let mut routes = tonic::service::Routes::new(OtherMethods::<0>)
+        .add_service(OtherMethods::<1>)
+        .add_service(OtherMethods::<2>)
+        .add_service(OtherMethods::<3>)
         .add_service(v1)
         .add_service(v1alpha);
     if let Some(reporter) = &opts.health {
@@ -298,10 +293,10 @@ mod tests {
     fn each_service_serves_its_own_row() {
         use tonic::server::NamedService;
         let names = [
-            Subscribe::<0>::NAME,
-            Subscribe::<1>::NAME,
-            Subscribe::<2>::NAME,
-            Subscribe::<3>::NAME,
+            OtherMethods::<0>::NAME,
+            OtherMethods::<1>::NAME,
+            OtherMethods::<2>::NAME,
+            OtherMethods::<3>::NAME,
         ];
         for (i, s) in crate::proto::ENGINE_SERVICES.iter().enumerate() {
             assert_eq!(names[i], s.service);
