@@ -78,10 +78,52 @@ impl Degraded {
     }
 }
 
+/// The set of [`Degraded`] causes active on one rank (empty: exact). Several can hold at once
+/// (a missing history, then an undecodable batch): each is listed, none hides another, and all
+/// end together at the engine's next cache reset or restart.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Causes(u8);
+
+impl Causes {
+    /// No cause: the rank is exact.
+    pub const EXACT: Causes = Causes(0);
+
+    /// Just `d`.
+    pub fn of(d: Degraded) -> Causes {
+        Causes(1 << (d as u8 - 1))
+    }
+
+    /// These causes and `d`.
+    #[must_use]
+    pub fn with(self, d: Degraded) -> Causes {
+        Causes(self.0 | Causes::of(d).0)
+    }
+
+    /// True when no cause is active.
+    pub fn is_exact(self) -> bool {
+        self.0 == 0
+    }
+
+    /// Whether `d` is among them.
+    pub fn contains(self, d: Degraded) -> bool {
+        self.0 & Causes::of(d).0 != 0
+    }
+
+    /// The active causes, in [`Degraded::ALL`]'s order.
+    pub fn iter(self) -> impl Iterator<Item = Degraded> {
+        Degraded::ALL.into_iter().filter(move |d| self.contains(*d))
+    }
+
+    /// Their labels, in [`Degraded::ALL`]'s order.
+    pub fn labels(self) -> Vec<&'static str> {
+        self.iter().map(Degraded::label).collect()
+    }
+}
+
 /// Connection state of every rank's publisher(s), shared by the rank threads and the health task.
 pub struct UpstreamState {
     connected: Vec<AtomicI64>,
-    /// Per rank: 0 exact, else the [`Degraded`] code.
+    /// Per rank: its [`Causes`] bits (0: exact).
     freshness: Vec<AtomicU8>,
     start: Instant,
     /// Milliseconds after `start` of the last disconnect, plus one (0: none yet).
@@ -131,32 +173,40 @@ impl UpstreamState {
         }
     }
 
-    /// Sets `rank`'s freshness (`None`: exact); returns the previous one.
-    pub fn set_degraded(&self, rank: u32, why: Option<Degraded>) -> Option<Degraded> {
-        let code = why.map_or(0, |d| d as u8);
+    /// Sets `rank`'s causes ([`Causes::EXACT`]: exact); returns the previous ones. Ingest is
+    /// the one writer of a rank's causes; readers (the health page, the metrics) only load.
+    pub fn set_causes(&self, rank: u32, causes: Causes) -> Causes {
         self.freshness
             .get(rank as usize)
-            .and_then(|f| Degraded::from_code(f.swap(code, Ordering::AcqRel)))
+            .map_or(Causes::EXACT, |f| {
+                Causes(f.swap(causes.0, Ordering::AcqRel))
+            })
     }
 
-    /// `rank`'s freshness (`None`: exact).
-    pub fn degraded(&self, rank: u32) -> Option<Degraded> {
+    /// `rank`'s active causes (empty: exact).
+    pub fn causes(&self, rank: u32) -> Causes {
         self.freshness
             .get(rank as usize)
-            .and_then(|f| Degraded::from_code(f.load(Ordering::Acquire)))
+            .map_or(Causes::EXACT, |f| Causes(f.load(Ordering::Acquire)))
     }
 
     /// The `/health` page: status, then one object per rank (connections, freshness). JSON.
+    /// A rank's `causes` lists every active cause; `cause` is the first of them (or `null`), as
+    /// the page had before several could be listed.
     pub fn detail_json(&self, grace: Duration) -> String {
         let ranks: Vec<String> = (0..self.connected.len())
             .map(|r| {
-                let (state, cause) = match self.degraded(r as u32) {
-                    None => ("exact", "null".to_string()),
-                    Some(d) => ("degraded", format!("\"{}\"", d.label())),
-                };
+                let causes = self.causes(r as u32);
+                let state = if causes.is_exact() { "exact" } else { "degraded" };
+                let first = causes
+                    .iter()
+                    .next()
+                    .map_or("null".to_string(), |d| format!("\"{}\"", d.label()));
+                let all: Vec<String> = causes.labels().iter().map(|l| format!("\"{l}\"")).collect();
                 format!(
-                    "{{\"rank\":{r},\"connected\":{},\"freshness\":\"{state}\",\"cause\":{cause}}}",
-                    self.connected[r].load(Ordering::Acquire)
+                    "{{\"rank\":{r},\"connected\":{},\"freshness\":\"{state}\",\"cause\":{first},\"causes\":[{}]}}",
+                    self.connected[r].load(Ordering::Acquire),
+                    all.join(",")
                 )
             })
             .collect();
@@ -291,27 +341,35 @@ mod tests {
     }
 
     #[test]
-    fn freshness_is_per_rank_and_listed_on_the_health_page() {
+    fn freshness_is_per_rank_and_lists_every_active_cause() {
         let s = UpstreamState::new(2);
-        assert_eq!(s.degraded(0), None);
-        assert_eq!(s.set_degraded(1, Some(Degraded::UnknownGroup)), None);
-        assert_eq!(s.degraded(1), Some(Degraded::UnknownGroup));
-        assert_eq!(s.degraded(0), None, "the other rank stays exact");
+        assert!(s.causes(0).is_exact());
+        let two = Causes::of(Degraded::UnknownGroup).with(Degraded::MissingHistory);
+        assert_eq!(s.set_causes(1, two), Causes::EXACT);
+        assert_eq!(
+            s.causes(1).labels(),
+            ["missing_history", "unknown_group"],
+            "neither hides the other"
+        );
+        assert!(s.causes(0).is_exact(), "the other rank stays exact");
         s.on_connect(0);
         let page = s.detail_json(Duration::ZERO);
         assert!(page.starts_with("{\"serving\":true,"), "{page}");
         assert!(
-            page.contains("{\"rank\":0,\"connected\":1,\"freshness\":\"exact\",\"cause\":null}"),
+            page.contains(
+                "{\"rank\":0,\"connected\":1,\"freshness\":\"exact\",\"cause\":null,\"causes\":[]}"
+            ),
             "{page}"
         );
-        assert!(page.contains("{\"rank\":1,\"connected\":0,\"freshness\":\"degraded\",\"cause\":\"unknown_group\"}"), "{page}");
-        assert_eq!(s.set_degraded(1, None), Some(Degraded::UnknownGroup));
+        assert!(page.contains("{\"rank\":1,\"connected\":0,\"freshness\":\"degraded\",\"cause\":\"missing_history\",\"causes\":[\"missing_history\",\"unknown_group\"]}"), "{page}");
+        assert_eq!(s.set_causes(1, Causes::EXACT), two);
         for d in Degraded::ALL {
             assert_eq!(Degraded::from_code(d as u8), Some(d));
+            assert_eq!(Causes::of(d).iter().collect::<Vec<_>>(), [d]);
         }
         assert_eq!(
-            s.set_degraded(9, Some(Degraded::LostRemoval)),
-            None,
+            s.set_causes(9, Causes::of(Degraded::LostRemoval)),
+            Causes::EXACT,
             "unknown rank ignored"
         );
     }

@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 use super::upstream::Handoff;
 use super::Targets;
 use crate::decode::{parse_group_note, ClearedBatch, Decoder, GroupNote};
-use crate::health::{Degraded, UpstreamState};
+use crate::health::{Causes, Degraded, UpstreamState};
 use crate::ingest::RankMetrics;
 use crate::ring::{ClearCause, RingHub};
 
-/// Writer-note kind of a rank's freshness: `[2, cause, rank u16 LE, 0…]`, present only while
-/// the rank is degraded, so that a restarted kvbridge does not call exact what it knew was not
-/// (kind 1 is a KV-cache group, decode/groups.rs).
+/// Writer-note kind of a rank's freshness: `[2, cause, rank u16 LE, 0…]`, one note per active
+/// cause, present only while the rank is degraded, so that a restarted kvbridge does not call
+/// exact what it knew was not (kind 1 is a KV-cache group, decode/groups.rs).
 const NOTE_FRESHNESS: u8 = 2;
 
 fn freshness_note(rank: u32, why: Degraded) -> [u8; 16] {
@@ -31,18 +31,13 @@ fn parse_freshness_note(n: &[u8; 16]) -> Option<(u32, Degraded)> {
     Degraded::from_code(n[1]).map(|d| (rank, d))
 }
 
-/// `rank`'s freshness as the ring's writer notes kept it (`None`: exact, or no note).
-pub(super) fn degraded_of(notes: &[[u8; 16]], rank: u32) -> Option<Degraded> {
+/// `rank`'s causes as the ring's writer notes kept them (exact when there is no note).
+pub(super) fn causes_of(notes: &[[u8; 16]], rank: u32) -> Causes {
     notes
         .iter()
         .filter_map(parse_freshness_note)
-        .find(|(r, _)| *r == rank)
-        .map(|(_, d)| d)
-}
-
-/// The freshness series' label values.
-pub(super) fn degraded_labels() -> Vec<&'static str> {
-    Degraded::ALL.iter().map(|d| d.label()).collect()
+        .filter(|(r, _)| *r == rank)
+        .fold(Causes::EXACT, |c, (_, d)| c.with(d))
 }
 
 /// Decodes each batch once and publishes it into the rank's ring(s).
@@ -52,6 +47,19 @@ pub(super) struct RingHandoff {
     targets: Targets,
     m: RankMetrics,
     upstream: Arc<UpstreamState>,
+    /// No consumer can hold a block of a KV-cache group the decoder has not seen: every store
+    /// forwarded since the last clear taught its group first (and the groups are restored from
+    /// the ring across restarts). Then a removal dropped for an unseen group (`--profile smg`)
+    /// cannot leave a block behind, and is no cause to call the rank degraded. False only on a
+    /// ring that holds this rank's batches but none of its groups (written before groups were
+    /// kept), until the next clear.
+    groups_complete: bool,
+    /// An engine restart was signalled and its clear not yet published: the new incarnation's
+    /// first batch decides. When it carries the engine's own clear (SGLang publishes one as
+    /// seq 0 of every start), that is the clear consumers get, so that they drop their index
+    /// once per restart, not twice; otherwise the synthesized clear goes first. Published by
+    /// [`Handoff::settle`] at the latest, before the state machine waits for the next message.
+    pending_restart: Option<u64>,
     warned: std::collections::HashMap<&'static str, (Instant, u64)>,
     last_flush: Instant,
 }
@@ -63,6 +71,7 @@ impl RingHandoff {
         targets: Targets,
         m: RankMetrics,
         upstream: Arc<UpstreamState>,
+        groups_complete: bool,
     ) -> Self {
         RingHandoff {
             rank,
@@ -70,6 +79,8 @@ impl RingHandoff {
             targets,
             m,
             upstream,
+            groups_complete,
+            pending_restart: None,
             warned: Default::default(),
             last_flush: Instant::now(),
         }
@@ -127,36 +138,40 @@ impl RingHandoff {
 }
 
 impl RingHandoff {
-    /// Sets this rank's freshness (`None`: exact). On a change: the shared state, the metric,
-    /// one log line, and the ring's writer notes (a degraded rank stays degraded across a
-    /// kvbridge restart; the note is written before the batch or clear that follows).
-    fn set_fresh(&mut self, why: Option<Degraded>) {
-        let was = self.upstream.set_degraded(self.rank, why);
-        if was == why {
+    /// Adds `d` to this rank's causes.
+    fn degrade(&mut self, d: Degraded) {
+        let now = self.upstream.causes(self.rank).with(d);
+        self.set_causes(now);
+    }
+
+    /// Sets this rank's causes ([`Causes::EXACT`]: exact). On a change: the shared state, the
+    /// metrics, one log line, and the ring's writer notes (a degraded rank stays degraded across
+    /// a kvbridge restart; the notes are written before the batch or clear that follows).
+    fn set_causes(&mut self, now: Causes) {
+        let was = self.upstream.set_causes(self.rank, now);
+        if was == now {
             return;
         }
-        self.m
-            .set_freshness(&degraded_labels(), why.map(Degraded::label));
-        match why {
-            Some(d) => tracing::warn!(
+        self.m.set_freshness(now);
+        if now.is_exact() {
+            tracing::info!(
                 rank = self.rank,
-                cause = d.label(),
-                "rank output degraded: it may miss blocks the engine holds (or hold ones it dropped) until the engine's next cache reset or restart"
-            ),
-            None => tracing::info!(
-                rank = self.rank,
-                was = was.map(Degraded::label),
+                was = ?was.labels(),
                 "rank output exact again: the engine's cache reset or restart is in the stream"
-            ),
+            );
+        } else {
+            tracing::warn!(
+                rank = self.rank,
+                causes = ?now.labels(),
+                "rank output degraded: it may miss blocks the engine holds (or hold ones it dropped) until the engine's next cache reset or restart"
+            );
         }
         let rank = self.rank;
         let mut failed = None;
         for (hub, _) in ring_targets(&self.targets) {
             let kept = hub.update_notes(|all| {
                 all.retain(|n| !matches!(parse_freshness_note(n), Some((r, _)) if r == rank));
-                if let Some(d) = why {
-                    all.push(freshness_note(rank, d));
-                }
+                all.extend(now.iter().map(|d| freshness_note(rank, d)));
             });
             if let Err(e) = kept {
                 failed = Some(format!("ring {} notes write failed: {e}", hub.label()));
@@ -194,11 +209,12 @@ impl Handoff for RingHandoff {
             self.clear(seq, ClearCause::Undecodable);
             return;
         }
-        let before = self.decoder.stats();
-        let (cleared, unknown) = (before.cleared_events, before.filtered_group_unknown);
+        let before = ClearCount::of(self.decoder.stats());
+        let unknown = self.decoder.stats().filtered_group_unknown;
         let plan = match self.decoder.plan(payload) {
             Ok(p) => p,
             Err(e) => {
+                self.settle();
                 self.m.decode_error(e.kind.label());
                 let msg = format!("undecodable batch (engine seq {seq}): {e}");
                 self.warn_limited("undecodable", &msg);
@@ -219,13 +235,17 @@ impl Handoff for RingHandoff {
         self.keep_groups();
         // The engine's own reset makes its state what follows again; a removal dropped for an
         // unknown group may leave a block behind (counted once per batch, after its clears).
-        let after = self.decoder.stats();
-        let (cleared_now, unknown_now) = (after.cleared_events, after.filtered_group_unknown);
-        if cleared_now > cleared {
-            self.set_fresh(None);
+        let unknown_now = self.decoder.stats().filtered_group_unknown;
+        if ClearCount::of(self.decoder.stats()).forwards_more_than(before) {
+            // The engine's own clear: consumers drop what they hold here, as a restart's
+            // synthesized clear would have made them.
+            self.pending_restart = None;
+            self.groups_complete = true;
+            self.set_causes(Causes::EXACT);
         }
-        if unknown_now > unknown {
-            self.set_fresh(Some(Degraded::UnknownGroup));
+        self.settle();
+        if unknown_now > unknown && !self.groups_complete {
+            self.degrade(Degraded::UnknownGroup);
         }
         let batch_rank = match plan.rank {
             Some(r) => {
@@ -264,18 +284,40 @@ impl Handoff for RingHandoff {
             self.keep_groups();
         }
         // After a restart the new incarnation's history follows from its start; every other
-        // cause leaves blocks the engine holds (or dropped) that no consumer will hear of.
-        self.set_fresh(match cause {
-            ClearCause::EngineRestart => None,
-            ClearCause::UnfillableGap => Some(Degraded::UnfillableGap),
-            ClearCause::MissingHistory => Some(Degraded::MissingHistory),
-            ClearCause::Undecodable => Some(Degraded::Undecodable),
-            ClearCause::ReplayOverflow => Some(Degraded::ReplayOverflow),
-            ClearCause::LostRemoval => Some(Degraded::LostRemoval),
-        });
+        // cause leaves blocks the engine holds (or dropped) that no consumer will hear of. Either
+        // way consumers hold nothing from before the clear.
+        self.groups_complete = true;
+        match cause {
+            ClearCause::EngineRestart => self.set_causes(Causes::EXACT),
+            ClearCause::UnfillableGap => self.degrade(Degraded::UnfillableGap),
+            ClearCause::MissingHistory => self.degrade(Degraded::MissingHistory),
+            ClearCause::Undecodable => self.degrade(Degraded::Undecodable),
+            ClearCause::ReplayOverflow => self.degrade(Degraded::ReplayOverflow),
+            ClearCause::LostRemoval => self.degrade(Degraded::LostRemoval),
+        }
         self.m.clear(cause.label());
         let msg = format!("signalling a cleared cache in band (engine seq {upstream_seq})");
         self.warn_limited(cause.label(), &msg);
+        if cause == ClearCause::EngineRestart {
+            // Published with the new incarnation's first batch, or by `settle` (field doc).
+            self.pending_restart = Some(upstream_seq);
+            return;
+        }
+        // This clear empties the consumers too: a pending restart's would be a second one.
+        self.pending_restart = None;
+        self.publish_clear(upstream_seq, cause);
+    }
+
+    fn settle(&mut self) {
+        if let Some(seq) = self.pending_restart.take() {
+            self.publish_clear(seq, ClearCause::EngineRestart);
+        }
+    }
+}
+
+impl RingHandoff {
+    /// Writes a synthesized `cleared` record for this rank into each ring it feeds.
+    fn publish_clear(&mut self, upstream_seq: u64, cause: ClearCause) {
         let src = ClearedBatch::new(crate::clock::unix_seconds());
         let meta = cause.meta(self.rank, upstream_seq);
         for (hub, sends_rank) in ring_targets(&self.targets) {
@@ -284,5 +326,28 @@ impl Handoff for RingHandoff {
                 tracing::error!(rank = self.rank, ring = hub.label(), error = %e, "cannot write the in-band clear");
             }
         }
+    }
+}
+
+/// The decoder's counts that tell whether a batch forwarded an `AllBlocksCleared`.
+#[derive(Clone, Copy)]
+struct ClearCount {
+    cleared: u64,
+    filtered_ownership: u64,
+}
+
+impl ClearCount {
+    fn of(s: &crate::decode::DecodeStats) -> ClearCount {
+        ClearCount {
+            cleared: s.cleared_events,
+            filtered_ownership: s.filtered_ownership,
+        }
+    }
+
+    /// The batch planned since `before` forwards a clear to consumers: it had one, and the
+    /// profile filtered nothing by ownership (the one filter a clear meets; a `kvcr` clear is
+    /// not the engine's cache).
+    fn forwards_more_than(self, before: ClearCount) -> bool {
+        self.cleared > before.cleared && self.filtered_ownership == before.filtered_ownership
     }
 }

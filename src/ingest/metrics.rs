@@ -226,14 +226,14 @@ impl RankMetrics {
             .with_label_values(&[self.label.as_str(), cause])
             .inc();
     }
-    /// Sets the freshness series: `exact` 1 and every cause of `causes` 0, or `exact` 0 and
-    /// only `current` 1. Every label value exists from the first call on.
-    pub fn set_freshness(&self, causes: &[&str], current: Option<&str>) {
-        self.exact.set(current.is_none() as i64);
-        for c in causes {
+    /// Sets the freshness series: `exact` 1 and every cause 0, or `exact` 0 and each active
+    /// cause 1. Every label value exists from the first call on.
+    pub fn set_freshness(&self, active: crate::health::Causes) {
+        self.exact.set(active.is_exact() as i64);
+        for c in crate::health::Degraded::ALL {
             self.degraded
-                .with_label_values(&[self.label.as_str(), c])
-                .set((Some(*c) == current) as i64);
+                .with_label_values(&[self.label.as_str(), c.label()])
+                .set(active.contains(c) as i64);
         }
     }
     /// Brings a decoder counter up to `value` (the decoder's own running total).

@@ -112,22 +112,23 @@ impl Ingest {
                 max_payload: cfg.max_engine_message as usize,
                 ..decode.clone()
             });
-            decoder.restore_groups(handoff::groups_of(&recovered.notes, rank.rank));
-            // Freshness as the last kvbridge on this ring left it, every series from the start.
-            let fresh = handoff::degraded_of(&recovered.notes, rank.rank);
-            upstream.set_degraded(rank.rank, fresh);
-            m.set_freshness(&handoff::degraded_labels(), fresh.map(|d| d.label()));
-            if let Some(d) = fresh {
-                tracing::warn!(
-                    rank = rank.rank,
-                    cause = d.label(),
-                    "rank output degraded (kept in the ring from before this start)"
-                );
-            }
+            let groups = handoff::groups_of(&recovered.notes, rank.rank);
+            // A ring holding this rank's batches but none of its groups: consumers may hold
+            // blocks of groups this process will not know until it sees their stores.
+            let groups_complete =
+                !(groups.is_empty() && recovered.last_upstream.contains_key(&rank.rank));
+            decoder.restore_groups(groups);
             let resume = Resume::from_ring(recovered, rank.rank);
             workers.push(RankWorker {
                 state: RankState::new(resume, Limits::default(), m.clone()),
-                handoff: RingHandoff::new(rank.rank, decoder, tgt, m.clone(), upstream.clone()),
+                handoff: RingHandoff::new(
+                    rank.rank,
+                    decoder,
+                    tgt,
+                    m.clone(),
+                    upstream.clone(),
+                    groups_complete,
+                ),
                 monitor,
                 lost_since: None,
                 upstream: upstream.clone(),
@@ -153,6 +154,30 @@ impl Ingest {
             })
             .collect();
         Ok(Ingest { stop, threads })
+    }
+
+    /// Each rank's freshness as the last kvbridge on this ring left it (the writer notes), in
+    /// the shared state and the metrics, with a log line per degraded rank. Called before
+    /// anything serves (the `/health` page, the front door), so that no reader ever sees a
+    /// rank exact that the ring knows is not.
+    pub fn restore_freshness(
+        cfg: &IngestConfig,
+        recovered: &Recovered,
+        metrics: &IngestMetrics,
+        upstream: &UpstreamState,
+    ) {
+        for rank in &cfg.ranks {
+            let causes = handoff::causes_of(&recovered.notes, rank.rank);
+            upstream.set_causes(rank.rank, causes);
+            metrics.rank(rank.rank).set_freshness(causes);
+            if !causes.is_exact() {
+                tracing::warn!(
+                    rank = rank.rank,
+                    causes = ?causes.labels(),
+                    "rank output degraded (kept in the ring from before this start)"
+                );
+            }
+        }
     }
 
     /// Stops every rank thread and waits for it (each notices within ~100 ms).

@@ -115,8 +115,13 @@ pub const REPLAY_OUTCOMES: [&str; 9] = [
 pub trait Handoff {
     /// Decodes and publishes the engine batch `seq`, whose [`digest`] is `digest`.
     fn apply(&mut self, seq: u64, digest: u32, payload: &[u8]);
-    /// Publishes a synthesized `cleared` event for this rank.
+    /// Publishes a synthesized `cleared` event for this rank. An engine restart's may be held
+    /// until the new incarnation's first batch is seen, and then be that batch's own clear
+    /// (never later than [`Handoff::settle`]).
     fn clear(&mut self, upstream_seq: u64, cause: ClearCause);
+    /// Publishes whatever is held: called when the state machine has handled a message (or a
+    /// catch-up), before it waits for the next one.
+    fn settle(&mut self) {}
 }
 
 /// The engine's replay service (a DEALER to its ROUTER).
@@ -172,9 +177,12 @@ pub struct RankState {
     m: RankMetrics,
     /// Digests of the current incarnation's most recently applied batches, in seq order.
     applied: VecDeque<(u64, u32)>,
-    /// The most recent seqs of this incarnation declared lost (inclusive): a late live copy of
-    /// one of them is dropped, not taken for a restart.
-    lost: Option<(u64, u64)>,
+    /// The replay of the fill now draining its live batches returned `last` with the bytes
+    /// applied there: the engine is, at this moment, the incarnation `last` came from, so a live
+    /// batch queued behind that replay at a seq ≤ `last` is a late copy even where no digest of
+    /// it is kept (declared lost, or older than the window). Set in `fill`'s replay, cleared when
+    /// its drain ends: it proves nothing about any later batch.
+    proven_by_replay: bool,
     /// The current publisher is known to be the incarnation `last` came from (a batch of it
     /// matched, or it was followed from its start). False after a reconnect, and for a `last`
     /// recovered from the ring.
@@ -189,7 +197,7 @@ impl RankState {
             limits,
             m: metrics,
             applied: VecDeque::new(),
-            lost: None,
+            proven_by_replay: false,
             verified: true,
         };
         match resume {
@@ -226,6 +234,7 @@ impl RankState {
             _ => 0,
         };
         self.fill(from, VecDeque::new(), handoff, Some(rep), Fill::CatchUp);
+        handoff.settle();
     }
 
     /// Handles one live batch.
@@ -236,7 +245,8 @@ impl RankState {
         handoff: &mut dyn Handoff,
         rep: Option<&mut dyn ReplaySource>,
     ) {
-        self.step(s, payload, handoff, rep, true)
+        self.step(s, payload, handoff, rep, true);
+        handoff.settle();
     }
 
     fn step(
@@ -269,11 +279,11 @@ impl RankState {
                 _ => self.apply(s, d, payload, handoff),
             },
             Pos::Fresh | Pos::Last(_) => {
-                let (from, first_missing) = match self.pos {
+                let from = match self.pos {
                     // From `last` itself: the replay's copy of it tells whether the engine is
                     // still the incarnation it came from.
-                    Pos::Last(l) => (l, l + 1),
-                    _ => (0, 0),
+                    Pos::Last(l) => l,
+                    _ => 0,
                 };
                 self.m.gaps.inc();
                 match rep {
@@ -282,7 +292,6 @@ impl RankState {
                         self.fill(from, live, handoff, Some(rep), Fill::Gap)
                     }
                     _ => {
-                        self.lost = Some((first_missing, s - 1));
                         self.clear(handoff, s, ClearCause::UnfillableGap);
                         self.apply(s, d, payload, handoff)
                     }
@@ -291,7 +300,12 @@ impl RankState {
         }
     }
 
-    /// A batch at a seq ≤ `last`: a copy of what was applied there, or a new incarnation.
+    /// A batch at a seq ≤ `last`: a copy of what was applied there, or a new incarnation. Only
+    /// a proof makes it a copy: the digest applied at its seq, or the engine's replay answering
+    /// with `last` as applied. A seq whose digest is no longer kept (declared lost, or older than
+    /// the window) proves nothing by itself, so it is checked against the engine first; where
+    /// the engine cannot be asked, it is taken for a restart (an in-band clear costs a resync; a
+    /// wrong drop costs a silent divergence).
     fn behind(
         &mut self,
         s: u64,
@@ -313,16 +327,26 @@ impl RankState {
                     self.m.duplicates.inc();
                 }
             }
-            None if self.lost.is_some_and(|(a, b)| a <= s && s <= b) => {
-                // A late copy of a batch already declared lost (and cleared for).
-                self.m.duplicates.inc();
-            }
-            _ => {
-                // Other bytes where a batch was applied, or a seq below everything known of
-                // this incarnation: the engine restarted, and its cache is empty.
+            Some(_) => {
+                // Other bytes where a batch was applied: the engine restarted, and its cache is
+                // empty.
                 self.restart(handoff, s);
                 self.step(s, payload, handoff, rep, may_replay)
             }
+            None => match (rep, self.pos) {
+                (Some(rep), Pos::Last(l)) if may_replay => {
+                    // Ask the engine for `last`: the same bytes there make this a late copy
+                    // (dropped in the drain, `proven_by_replay`), other bytes or nothing at or
+                    // after `last` a new incarnation.
+                    let live = VecDeque::from([(s, payload.to_vec())]);
+                    self.fill(l, live, handoff, Some(rep), Fill::Verify)
+                }
+                _ if self.proven_by_replay => self.m.duplicates.inc(),
+                (rep, _) => {
+                    self.restart(handoff, s);
+                    self.step(s, payload, handoff, rep, may_replay)
+                }
+            },
         }
     }
 
@@ -332,7 +356,6 @@ impl RankState {
         self.clear(handoff, upstream_seq, ClearCause::EngineRestart);
         self.pos = Pos::Fresh;
         self.applied.clear();
-        self.lost = None;
         self.verified = true;
     }
 

@@ -190,6 +190,7 @@ impl<'a> App<'a> {
         });
         // 2. The metrics page, up before any traffic (every series is there at zero).
         let upstream = UpstreamState::new(cfg.ingest.ranks.len());
+        Ingest::restore_freshness(&cfg.ingest, &rings.recovered, &stages.ingest, &upstream);
         let metrics_addr = self.metrics_page.as_ref().map(|(_, a)| *a);
         if let Some((listener, _)) = self.metrics_page {
             let health_page: crate::metrics::HealthPage = {

@@ -63,7 +63,7 @@ fn missing_history_is_degraded_until_the_engines_reset_across_a_restart() {
     let health = http_get(addr, "/health");
     assert!(
         health.contains(
-            r#"{"rank":0,"connected":1,"freshness":"degraded","cause":"missing_history"}"#
+            r#"{"rank":0,"connected":1,"freshness":"degraded","cause":"missing_history","causes":["missing_history"]}"#
         ),
         "{health}"
     );
@@ -80,6 +80,12 @@ fn missing_history_is_degraded_until_the_engines_reset_across_a_restart() {
     // A restart of kvbridge does not forget it: the engine has not reset its cache meanwhile.
     b.kill();
     let (b, addr) = Bridge::start_with_metrics(dir.path(), &shm, &e.bridge_args());
+    // The very first answers already know it: the ring's notes are read before anything serves.
+    let health = http_get(addr, "/health");
+    assert!(
+        health.contains(r#""freshness":"degraded","cause":"missing_history""#),
+        "{health}"
+    );
     let page = scrape(addr);
     assert!(degraded(&page, "missing_history"), "{page}");
     assert!(
@@ -94,7 +100,7 @@ fn missing_history_is_degraded_until_the_engines_reset_across_a_restart() {
     wait_metrics(addr, T, exact);
     let health = http_get(addr, "/health");
     assert!(
-        health.contains(r#""freshness":"exact","cause":null"#),
+        health.contains(r#""freshness":"exact","cause":null,"causes":[]"#),
         "{health}"
     );
     assert!(b.log().contains("rank output exact again"), "{}", b.log());

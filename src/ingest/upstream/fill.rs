@@ -41,6 +41,7 @@ impl RankState {
         let Some(source) = rep.as_mut() else {
             return;
         };
+        self.proven_by_replay = false;
         let mut overflow = false;
         let mut want = from;
         let mut attempt = 0;
@@ -125,6 +126,7 @@ impl RankState {
                     Some(known) if known != d => tally.other_incarnation = true,
                     Some(_) => {
                         self.verified = true;
+                        self.proven_by_replay |= rs == l;
                         // (the copy of `last` asked for, to compare, is no
                         // duplicate: anything else at or below it is)
                         if rs != want {
@@ -151,7 +153,6 @@ impl RankState {
             } else {
                 "hole"
             });
-            self.lost = Some((expected, rs - 1));
             self.clear(handoff, rs, ClearCause::MissingHistory);
             self.pos = Pos::AcceptAny;
         }
@@ -224,5 +225,6 @@ impl RankState {
             // a copy of a replayed batch is recognised by its bytes.
             self.step(s, &p, handoff, None, false);
         }
+        self.proven_by_replay = false;
     }
 }

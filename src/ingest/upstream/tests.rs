@@ -492,10 +492,94 @@ fn an_engine_that_no_longer_has_last_cannot_be_compared_history_is_missing() {
     st.catch_up(&mut handoff, &mut eng);
     assert_eq!(handoff.0, ["clear:missing_history", "5:r", "6:r"]);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
-    // A late live copy of a batch declared lost is dropped, not taken for a restart.
-    st.on_live(4, b"r", &mut handoff, None);
+    // A late live copy of a batch declared lost proves nothing by its seq: the engine is asked
+    // for `last`, which it still holds as applied, so it is a copy, dropped.
+    st.on_live(4, b"r", &mut handoff, Some(&mut eng));
+    assert_eq!(eng.requests, [3, 6]);
     assert_eq!(handoff.0.len(), 3);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
+    assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 1);
+}
+
+/// The campaign's seed 1 (issue: four steps against a real engine): kvbridge started past the
+/// engine's replay buffer records seqs 0..N as lost; after a cache reset it is exact again; the
+/// engine then restarts under it, and its new seqs 0..N must be a restart, not late copies.
+#[test]
+fn a_new_incarnation_at_seqs_declared_lost_is_a_restart_not_copies() {
+    for reconnect in [true, false] {
+        let m = IngestMetrics::for_tests();
+        let mut st = RankState::new(Resume::New, Limits::default(), m.rank(0));
+        let mut handoff = Rec::default();
+        let mut eng = Engine::new(&[20, 21, 22], ReplayEnd::Complete);
+        st.catch_up(&mut handoff, &mut eng);
+        assert_eq!(handoff.0, ["clear:missing_history", "20:r", "21:r", "22:r"]);
+        st.on_live(23, b"c", &mut handoff, Some(&mut eng));
+        if reconnect {
+            st.on_reconnect();
+        }
+        // The new incarnation: seq 0 (then 1), where nothing is known but "lost".
+        let mut eng = Engine::restarted(&[0]);
+        st.on_live(0, b"n", &mut handoff, Some(&mut eng));
+        assert_eq!(
+            eng.requests,
+            [23, 0],
+            "asked for `last`, then the new history"
+        );
+        let tail: Vec<_> = handoff.0[5..].to_vec();
+        assert_eq!(
+            tail,
+            ["clear:engine_restart", "0:n"],
+            "reconnect {reconnect}"
+        );
+        assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
+        st.on_live(1, b"n1", &mut handoff, Some(&mut eng));
+        assert_eq!(handoff.0.last().unwrap(), "1:n1");
+    }
+}
+
+#[test]
+fn an_unproven_seq_without_a_replay_endpoint_is_a_restart() {
+    let (mut st, mut handoff) = (state(None), Rec::default());
+    // A gap without replay: seqs 0..=4 are lost.
+    st.on_live(5, b"a", &mut handoff, None);
+    st.on_live(6, b"b", &mut handoff, None);
+    st.on_live(2, b"x", &mut handoff, None);
+    assert_eq!(
+        handoff.0,
+        [
+            "clear:unfillable_gap",
+            "5:a",
+            "6:b",
+            "clear:engine_restart",
+            "clear:unfillable_gap",
+            "2:x"
+        ]
+    );
+}
+
+#[test]
+fn a_seq_older_than_the_digest_window_is_checked_against_the_engine() {
+    let limits = Limits {
+        window: 2,
+        ..Limits::default()
+    };
+    let m = IngestMetrics::for_tests();
+    let mut st = RankState::new(Resume::New, limits, m.rank(0));
+    let mut handoff = Rec::default();
+    for s in 0..6 {
+        st.on_live(s, b"r", &mut handoff, None);
+    }
+    // The same incarnation: `last` (5) is what the engine replays.
+    let mut eng = Engine::new(&[3, 4, 5], ReplayEnd::Complete);
+    st.on_live(1, b"r", &mut handoff, Some(&mut eng));
+    assert_eq!(eng.requests, [5]);
+    assert_eq!(handoff.0.len(), 6);
+    assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 1);
+    // Another incarnation that has not reached seq 5 yet.
+    let mut eng = Engine::restarted(&[0, 1]);
+    st.on_live(1, b"n", &mut handoff, Some(&mut eng));
+    assert_eq!(eng.requests, [5, 0]);
+    assert_eq!(&handoff.0[6..], ["clear:engine_restart", "0:n", "1:n"]);
 }
 
 #[test]
