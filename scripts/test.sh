@@ -5,7 +5,7 @@
 #   2. the repository stands alone: no file outside it is read or pointed at; the tables of
 #      measurements in the docs are rendered from their data files (docs/perf/); the Prometheus
 #      alert rules in ops/prometheus/ check and pass their unit tests (promtool)
-#   3. the real vLLM engine's venv (cached per machine), then the README's test command,
+#   3. the real vLLM and SGLang engines' venvs (cached per machine), then the README's test command,
 #      `cargo test --release --workspace`, in a copy of the checkout that has no sibling folders
 #      (a test reading a file beside the repository fails to build)
 #   4. the wheel: built, installed --no-index into a fresh venv, its binary and module used
@@ -52,6 +52,13 @@ echo "== the real vLLM engine's venv: scripts/vllm-engine-venv.sh"
 venv_t0=$(date +%s)
 bash scripts/vllm-engine-venv.sh
 echo "== the real-engine venv step took $(( $(date +%s) - venv_t0 )) s"
+
+# The real SGLang engine's venv (tests/it/real_engine.rs's sglang_* timelines, tests/it/campaign.rs):
+# ~7 GiB, ~3 minutes the first time on a machine, cached after that.
+echo "== the real SGLang engine's venv: scripts/sglang-engine-venv.sh"
+venv_t0=$(date +%s)
+bash scripts/sglang-engine-venv.sh
+echo "== the SGLang venv step took $(( $(date +%s) - venv_t0 )) s"
 
 echo "== standalone copy: cargo test --release --workspace"
 # A copy of the tracked files (as a clone would have them) in a folder with no siblings. The

