@@ -32,7 +32,8 @@ concern! {
         /// The engine's replay ROUTER for the rank in the same position (`--zmq` then `--zmq-bind`).
         #[arg(long, value_name = "ENDPOINT")]
         pub replay: Vec<String>,
-        /// ZMQ topic. A non-empty topic is also compared exactly.
+        /// ZMQ topic. A non-empty topic is also compared exactly, up to the first NUL (SGLang
+        /// #34407 appends its epoch after one).
         #[arg(long)]
         pub topic: Option<String>,
         /// Time to wait for the first replay reply and between replies, in ms.

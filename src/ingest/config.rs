@@ -9,7 +9,7 @@ use std::time::Duration;
 /// Default wait for the first replay reply and between replies (ms).
 pub const DEFAULT_REPLAY_TIMEOUT_MS: u64 = 2000;
 /// Default largest engine message (ZMQ frame) accepted: 32 MiB. Real batches are far smaller
-/// (a 100k-token prefill is about 0.5 MB, docs/engine-wire.md §10; a million tokens in one
+/// (a 100k-token prefill is about 0.5 MB, docs/engine-wire.md §13; a million tokens in one
 /// step about 5 MB), and the cap bounds what one message can cost (about twice its size at
 /// peak) and keeps one batch well inside the default ring.
 pub const DEFAULT_MAX_ENGINE_MESSAGE: u64 = 32 << 20;

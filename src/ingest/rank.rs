@@ -160,13 +160,14 @@ impl RankWorker {
                     }
                 };
                 let frames: [&[u8]; 3] = [&bufs[0], &bufs[1], &bufs[2]];
-                let seq = match wire::live_seq(&frames[..n.min(3)], &self.io.topic).and_then(|s| {
-                    if n > 3 {
-                        Err(wire::FrameDrop::FrameCount)
-                    } else {
-                        Ok(s)
-                    }
-                }) {
+                // More than 3 frames is the first thing wrong with such a message, whatever
+                // its first three hold.
+                let checked = if n > 3 {
+                    Err(wire::FrameDrop::FrameCount)
+                } else {
+                    wire::live_seq(&frames[..n], &self.io.topic)
+                };
+                let live = match checked {
                     Ok(s) => s,
                     Err(d) => {
                         self.io.m.frame_dropped(d.label());
@@ -176,7 +177,7 @@ impl RankWorker {
                     }
                 };
                 let payload: &[u8] = &bufs[2];
-                if matches!(self.state.pos(), Pos::Last(l) if seq <= l) {
+                if matches!(self.state.pos(), Pos::Last(l) if live.seq <= l) {
                     // Repeat or restart depends on whether the publisher reconnected meanwhile:
                     // make sure its connection events are in before deciding (the monitor sees
                     // a connection before any message can arrive on it).
@@ -184,7 +185,8 @@ impl RankWorker {
                 }
                 let mut rep = self.io.replay();
                 let rep = rep.as_mut().map(|r| r as &mut dyn ReplaySource);
-                self.state.on_live(seq, payload, &mut self.handoff, rep);
+                self.state
+                    .on_live(live.seq, live.epoch, payload, &mut self.handoff, rep);
             }
             self.handoff.flush_decoder_metrics(false);
         }

@@ -34,7 +34,8 @@ impl<'a> ZmqReplay<'a> {
                 Ok(frames) => {
                     let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
                     match wire::live_seq(&refs, &self.io.topic) {
-                        Ok(s) => live(s, frames.into_iter().nth(2).unwrap_or_default()),
+                        // (queued behind the replay; the fill decides them by their bytes)
+                        Ok(l) => live(l.seq, frames.into_iter().nth(2).unwrap_or_default()),
                         Err(d) => self.io.m.frame_dropped(d.label()),
                     }
                 }

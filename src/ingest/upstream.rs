@@ -28,6 +28,7 @@ mod fill;
 
 use std::collections::VecDeque;
 
+use crate::ingest::wire::Epoch;
 use crate::ingest::RankMetrics;
 use crate::ring::ClearCause;
 
@@ -187,6 +188,12 @@ pub struct RankState {
     /// matched, or it was followed from its start). False after a reconnect, and for a `last`
     /// recovered from the ring.
     verified: bool,
+    /// The epoch the publisher's messages last named (the engines' next wire): `None` on
+    /// today's wire, and until the first such message after a kvbridge start.
+    epoch: Option<Epoch>,
+    /// The message being handled names the epoch of the incarnation `last` came from: that, not
+    /// its bytes, makes a seq at or below `last` a copy.
+    same_epoch: bool,
 }
 
 impl RankState {
@@ -199,6 +206,8 @@ impl RankState {
             applied: VecDeque::new(),
             proven_by_replay: false,
             verified: true,
+            epoch: None,
+            same_epoch: false,
         };
         match resume {
             Resume::New => {}
@@ -237,15 +246,33 @@ impl RankState {
         handoff.settle();
     }
 
-    /// Handles one live batch.
+    /// Handles one live batch, `epoch` its publisher's when the message names one. Where it does,
+    /// the epoch decides the incarnation (docs/engine-wire.md §13): another one than the last
+    /// seen is an engine restart (an in-band clear, then the new incarnation from its start),
+    /// the same one proves the publisher the incarnation `last` came from. Without one (today's
+    /// wire, or the first message after a kvbridge start) the bytes decide, as in the module
+    /// doc.
     pub fn on_live(
         &mut self,
         s: u64,
+        epoch: Option<Epoch>,
         payload: &[u8],
         handoff: &mut dyn Handoff,
         rep: Option<&mut dyn ReplaySource>,
     ) {
+        if let Some(e) = epoch {
+            match self.epoch {
+                Some(cur) if cur != e => self.restart(handoff, s),
+                Some(_) => {
+                    self.verified = true;
+                    self.same_epoch = true;
+                }
+                None => {}
+            }
+            self.epoch = Some(e);
+        }
         self.step(s, payload, handoff, rep, true);
+        self.same_epoch = false;
         handoff.settle();
     }
 
@@ -326,6 +353,11 @@ impl RankState {
                 } else {
                     self.m.duplicates.inc();
                 }
+            }
+            _ if self.same_epoch => {
+                // The publisher's epoch is the one `last` came from: a copy, whatever its bytes
+                // (or whether a digest of it is still kept) say.
+                self.m.duplicates.inc();
             }
             Some(_) => {
                 // Other bytes where a batch was applied: the engine restarted, and its cache is

@@ -43,6 +43,7 @@ mod decode_prop_splits;
 mod decode_vectors;
 mod deploy;
 mod engine_incarnation;
+mod engine_next_wire;
 mod fanout_flow_control;
 mod fanout_shape;
 mod freshness;

@@ -9,7 +9,7 @@ use common::ops::*;
 use common::*;
 use kvbridge_tools::sim::{encode_batch, Rng, SimEvent};
 
-/// Messages dropped for their shape (wrong frame count, seq frame not 8 bytes).
+/// Messages dropped for their shape (wrong frame count, seq frame neither 8 nor 24 bytes).
 fn shape_drops(page: &str) -> f64 {
     metric(
         page,
@@ -78,7 +78,7 @@ async fn fuzzed_zmq_frames_are_counted_and_a_valid_stream_survives() {
                 garbage += 1;
             } else {
                 // Invalid shapes never consume a seq: 1, 2, 4 or 5 frames, or a seq frame that
-                // is not 8 bytes.
+                // is neither 8 bytes nor 24 (a seq and a publisher UUID, docs/engine-wire.md §13).
                 let junk = |rng: &mut Rng| -> Vec<u8> {
                     (0..rng.range(0, 24))
                         .map(|_| rng.next_u64() as u8)
@@ -91,7 +91,7 @@ async fn fuzzed_zmq_frames_are_counted_and_a_valid_stream_survives() {
                     3 => (0..5).map(|_| junk(&mut rng)).collect(),
                     _ => {
                         let mut seq = junk(&mut rng);
-                        if seq.len() == 8 {
+                        if seq.len() == 8 || seq.len() == 24 {
                             seq.push(0);
                         }
                         vec![b"".to_vec(), seq, junk(&mut rng)]

@@ -1,5 +1,6 @@
 use super::*;
 use crate::ingest::metrics::IngestMetrics;
+use crate::ingest::wire::Epoch;
 
 #[derive(Default)]
 struct Rec(Vec<String>);
@@ -100,10 +101,10 @@ fn a_repeated_seq_on_the_same_connection_is_dropped_not_a_restart() {
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
     st.on_reconnect();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(1, b"b", &mut handoff, None);
-    st.on_live(1, b"b", &mut handoff, None);
-    st.on_live(2, b"c", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(1, None, b"b", &mut handoff, None);
+    st.on_live(1, None, b"b", &mut handoff, None);
+    st.on_live(2, None, b"c", &mut handoff, None);
     assert_eq!(handoff.0, ["0:a", "1:b", "2:c"]);
     assert_eq!(m.repeated_frames.with_label_values(&["0"]).get(), 1);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
@@ -114,10 +115,10 @@ fn a_repeated_seq_on_the_same_connection_is_dropped_not_a_restart() {
 fn the_last_seq_again_after_a_reconnect_is_a_restart() {
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(1, b"b", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(1, None, b"b", &mut handoff, None);
     st.on_reconnect();
-    st.on_live(1, b"n", &mut handoff, None);
+    st.on_live(1, None, b"n", &mut handoff, None);
     assert_eq!(
         handoff.0,
         [
@@ -131,7 +132,7 @@ fn the_last_seq_again_after_a_reconnect_is_a_restart() {
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
     assert_eq!(m.repeated_frames.with_label_values(&["0"]).get(), 0);
     // The reconnect is used up once a batch is applied: a repeat now is a repeat.
-    st.on_live(1, b"n", &mut handoff, None);
+    st.on_live(1, None, b"n", &mut handoff, None);
     assert_eq!(handoff.0.len(), 5);
     assert_eq!(m.repeated_frames.with_label_values(&["0"]).get(), 1);
 }
@@ -141,13 +142,13 @@ fn a_lower_seq_is_a_restart_with_or_without_a_reconnect() {
     let mut st = state(None);
     let mut handoff = Rec::default();
     for s in 0..4 {
-        st.on_live(s, b"x", &mut handoff, None);
+        st.on_live(s, None, b"x", &mut handoff, None);
     }
-    st.on_live(0, b"n", &mut handoff, None);
+    st.on_live(0, None, b"n", &mut handoff, None);
     assert_eq!(handoff.0[4..], ["clear:engine_restart", "0:n"]);
-    st.on_live(1, b"n", &mut handoff, None);
+    st.on_live(1, None, b"n", &mut handoff, None);
     st.on_reconnect();
-    st.on_live(0, b"m", &mut handoff, None);
+    st.on_live(0, None, b"m", &mut handoff, None);
     assert_eq!(handoff.0[7..], ["clear:engine_restart", "0:m"]);
 }
 
@@ -155,11 +156,11 @@ fn a_lower_seq_is_a_restart_with_or_without_a_reconnect() {
 fn an_empty_payload_never_moves_last() {
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(1, b"", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(1, None, b"", &mut handoff, None);
     assert_eq!(st.pos(), Pos::Last(0));
     // The same seq with a payload is the batch itself: applied, nothing cleared.
-    st.on_live(1, b"b", &mut handoff, None);
+    st.on_live(1, None, b"b", &mut handoff, None);
     assert_eq!(handoff.0, ["0:a", "1:b"]);
     let dropped = m
         .frames_dropped
@@ -170,9 +171,9 @@ fn an_empty_payload_never_moves_last() {
     // An empty payload at the start does not make the first batch look like a restart.
     let (mut st, _) = state_with_metrics();
     let mut handoff = Rec::default();
-    st.on_live(0, b"", &mut handoff, None);
+    st.on_live(0, None, b"", &mut handoff, None);
     assert_eq!(st.pos(), Pos::Fresh);
-    st.on_live(0, b"a", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
     assert_eq!(handoff.0, ["0:a"]);
 }
 
@@ -199,8 +200,8 @@ fn an_empty_live_payload_during_a_replay_does_not_move_last_either() {
     }
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(2, b"b", &mut handoff, Some(&mut Rep));
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(2, None, b"b", &mut handoff, Some(&mut Rep));
     assert_eq!(handoff.0, ["0:a", "1:r", "2:b", "3:c"]);
     let dropped = m
         .frames_dropped
@@ -213,17 +214,17 @@ fn an_empty_live_payload_during_a_replay_does_not_move_last_either() {
 fn an_empty_payload_followed_by_the_next_seq_is_a_lost_batch() {
     let mut st = state(None);
     let mut handoff = Rec::default();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(1, b"", &mut handoff, None);
-    st.on_live(2, b"c", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(1, None, b"", &mut handoff, None);
+    st.on_live(2, None, b"c", &mut handoff, None);
     assert_eq!(handoff.0, ["0:a", "clear:unfillable_gap", "2:c"]);
     // With a replay endpoint the engine's copy of the batch fills the gap.
     let mut st = state(None);
     let mut handoff = Rec::default();
-    st.on_live(0, b"r", &mut handoff, None);
-    st.on_live(1, b"", &mut handoff, None);
+    st.on_live(0, None, b"r", &mut handoff, None);
+    st.on_live(1, None, b"", &mut handoff, None);
     let mut eng = Engine::new(&[0, 1], ReplayEnd::Complete);
-    st.on_live(2, b"c", &mut handoff, Some(&mut eng));
+    st.on_live(2, None, b"c", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [0], "from `last`, to compare it");
     assert_eq!(handoff.0, ["0:r", "1:r", "2:c"]);
 }
@@ -233,7 +234,7 @@ fn contiguous_stream_applies_in_order() {
     let mut st = state(None);
     let mut handoff = Rec::default();
     for s in 0..3 {
-        st.on_live(s, b"x", &mut handoff, None);
+        st.on_live(s, None, b"x", &mut handoff, None);
     }
     assert_eq!(handoff.0, ["0:x", "1:x", "2:x"]);
     assert_eq!(st.pos(), Pos::Last(2));
@@ -243,8 +244,8 @@ fn contiguous_stream_applies_in_order() {
 fn gap_without_replay_is_signalled_in_band() {
     let mut st = state(None);
     let mut handoff = Rec::default();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(5, b"b", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(5, None, b"b", &mut handoff, None);
     assert_eq!(handoff.0, ["0:a", "clear:unfillable_gap", "5:b"]);
 }
 
@@ -252,7 +253,7 @@ fn gap_without_replay_is_signalled_in_band() {
 fn restart_clears_then_applies() {
     let mut st = state(Some(41));
     let mut handoff = Rec::default();
-    st.on_live(0, b"n", &mut handoff, None);
+    st.on_live(0, None, b"n", &mut handoff, None);
     assert_eq!(handoff.0, ["clear:engine_restart", "0:n"]);
 }
 
@@ -260,11 +261,11 @@ fn restart_clears_then_applies() {
 fn gap_is_filled_by_replay_and_merged_without_duplicates() {
     let mut st = state(None);
     let mut handoff = Rec::default();
-    st.on_live(0, b"r", &mut handoff, None);
+    st.on_live(0, None, b"r", &mut handoff, None);
     // Live 4 arrives after a drop of 1..=3; meanwhile 5 and 6 arrive live, and the replay
     // returns 0..=5 (its copy of 0 first, then 1..=5, overlapping live 4 and 5).
     let mut eng = Engine::with_live(&[0, 1, 2, 3, 4, 5], ReplayEnd::Complete, &[5, 6]);
-    st.on_live(4, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(4, None, b"r", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [0]);
     assert_eq!(handoff.0, ["0:r", "1:r", "2:r", "3:r", "4:r", "5:r", "6:l"]);
 }
@@ -276,11 +277,11 @@ fn live_copies_arriving_after_the_replay_that_applied_them_are_duplicates() {
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[0, 1, 2, 3, 4], ReplayEnd::Complete);
-    st.on_live(1, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(1, None, b"r", &mut handoff, Some(&mut eng));
     for s in 2..=4 {
-        st.on_live(s, b"r", &mut handoff, Some(&mut eng));
+        st.on_live(s, None, b"r", &mut handoff, Some(&mut eng));
     }
-    st.on_live(5, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(5, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0, ["0:r", "1:r", "2:r", "3:r", "4:r", "5:l"]);
     assert_eq!(eng.requests, [0], "one replay");
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
@@ -299,9 +300,9 @@ fn copies_of_replayed_batches_after_a_reconnect_are_copies_not_a_restart() {
     st.catch_up(&mut handoff, &mut eng);
     st.on_reconnect();
     for s in 2..=4 {
-        st.on_live(s, b"r", &mut handoff, Some(&mut eng));
+        st.on_live(s, None, b"r", &mut handoff, Some(&mut eng));
     }
-    st.on_live(5, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(5, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0, ["0:r", "1:r", "2:r", "3:r", "4:r", "5:l"]);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
     assert_eq!(
@@ -316,10 +317,10 @@ fn other_bytes_at_an_applied_seq_are_a_restart_whatever_the_connection() {
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[0, 1, 2, 3, 4], ReplayEnd::Complete);
-    st.on_live(1, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(1, None, b"r", &mut handoff, Some(&mut eng));
     // No reconnect seen (the monitor can lag): the bytes decide.
-    st.on_live(0, b"n", &mut handoff, None);
-    st.on_live(1, b"n", &mut handoff, None);
+    st.on_live(0, None, b"n", &mut handoff, None);
+    st.on_live(1, None, b"n", &mut handoff, None);
     assert_eq!(
         handoff.0,
         [
@@ -341,17 +342,17 @@ fn a_lower_seq_with_other_bytes_after_a_replay_is_still_a_restart() {
     let mut st = state(None);
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[0, 1, 2, 3], ReplayEnd::Complete);
-    st.on_live(1, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(1, None, b"r", &mut handoff, Some(&mut eng));
     // Live 2 (a late copy), then the engine restarts before live 3's copy came.
-    st.on_live(2, b"r", &mut handoff, None);
-    st.on_live(0, b"n", &mut handoff, None);
+    st.on_live(2, None, b"r", &mut handoff, None);
+    st.on_live(0, None, b"n", &mut handoff, None);
     assert_eq!(
         handoff.0,
         ["0:r", "1:r", "2:r", "3:r", "clear:engine_restart", "0:n"]
     );
     // A copy of the old 3 that would still come is not the new incarnation's business:
     // it is judged against the new seqs (here a gap without a replay endpoint).
-    st.on_live(1, b"n", &mut handoff, None);
+    st.on_live(1, None, b"n", &mut handoff, None);
     assert_eq!(handoff.0.last().unwrap(), "1:n");
 }
 
@@ -360,7 +361,7 @@ fn missing_history_clears_before_the_first_replayed_batch() {
     let mut st = state(Some(10));
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[20, 21], ReplayEnd::Complete);
-    st.on_live(22, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(22, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0, ["clear:missing_history", "20:r", "21:r", "22:l"]);
 }
 
@@ -369,7 +370,7 @@ fn burned_seq_inside_replay_is_a_hole() {
     let mut st = state(Some(0));
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[1, 3], ReplayEnd::Complete);
-    st.on_live(4, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(4, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0, ["1:r", "clear:missing_history", "3:r", "4:l"]);
 }
 
@@ -378,7 +379,7 @@ fn timed_out_replay_retries_then_gives_up_in_band() {
     let mut st = state(Some(0));
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[], ReplayEnd::TimedOut);
-    st.on_live(3, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(3, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [0, 0, 0]);
     assert_eq!(handoff.0, ["clear:unfillable_gap", "3:l"]);
 }
@@ -411,7 +412,7 @@ fn truncated_replay_continues_from_first_missing() {
     let mut st = state(Some(0));
     let mut handoff = Rec::default();
     let mut eng = Trunc(0, vec![]);
-    st.on_live(5, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(5, None, b"l", &mut handoff, Some(&mut eng));
     // `last` (0) never came back to compare with, so the retry asks from the new `last`.
     assert_eq!(eng.1, [0, 2]);
     assert_eq!(handoff.0, ["1:r", "2:r", "3:r", "4:r", "5:l"]);
@@ -422,7 +423,7 @@ fn slow_joiner_replays_from_zero() {
     let mut st = state(None);
     let mut handoff = Rec::default();
     let mut eng = Engine::new(&[0, 1], ReplayEnd::Complete);
-    st.on_live(2, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(2, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [0]);
     assert_eq!(handoff.0, ["0:r", "1:r", "2:l"]);
 }
@@ -462,8 +463,8 @@ fn an_engine_restarted_while_kvbridge_was_down_and_now_past_last_is_a_restart() 
     assert_eq!(handoff.0, want);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
     // Live copies of what the replay applied are copies of the new incarnation.
-    st.on_live(6, b"n", &mut handoff, Some(&mut eng));
-    st.on_live(7, b"m", &mut handoff, Some(&mut eng));
+    st.on_live(6, None, b"n", &mut handoff, Some(&mut eng));
+    st.on_live(7, None, b"m", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0.last().unwrap(), "7:m");
     assert_eq!(handoff.0.len(), 9);
 }
@@ -494,7 +495,7 @@ fn an_engine_that_no_longer_has_last_cannot_be_compared_history_is_missing() {
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
     // A late live copy of a batch declared lost proves nothing by its seq: the engine is asked
     // for `last`, which it still holds as applied, so it is a copy, dropped.
-    st.on_live(4, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(4, None, b"r", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [3, 6]);
     assert_eq!(handoff.0.len(), 3);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
@@ -513,13 +514,13 @@ fn a_new_incarnation_at_seqs_declared_lost_is_a_restart_not_copies() {
         let mut eng = Engine::new(&[20, 21, 22], ReplayEnd::Complete);
         st.catch_up(&mut handoff, &mut eng);
         assert_eq!(handoff.0, ["clear:missing_history", "20:r", "21:r", "22:r"]);
-        st.on_live(23, b"c", &mut handoff, Some(&mut eng));
+        st.on_live(23, None, b"c", &mut handoff, Some(&mut eng));
         if reconnect {
             st.on_reconnect();
         }
         // The new incarnation: seq 0 (then 1), where nothing is known but "lost".
         let mut eng = Engine::restarted(&[0]);
-        st.on_live(0, b"n", &mut handoff, Some(&mut eng));
+        st.on_live(0, None, b"n", &mut handoff, Some(&mut eng));
         assert_eq!(
             eng.requests,
             [23, 0],
@@ -532,7 +533,7 @@ fn a_new_incarnation_at_seqs_declared_lost_is_a_restart_not_copies() {
             "reconnect {reconnect}"
         );
         assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
-        st.on_live(1, b"n1", &mut handoff, Some(&mut eng));
+        st.on_live(1, None, b"n1", &mut handoff, Some(&mut eng));
         assert_eq!(handoff.0.last().unwrap(), "1:n1");
     }
 }
@@ -541,9 +542,9 @@ fn a_new_incarnation_at_seqs_declared_lost_is_a_restart_not_copies() {
 fn an_unproven_seq_without_a_replay_endpoint_is_a_restart() {
     let (mut st, mut handoff) = (state(None), Rec::default());
     // A gap without replay: seqs 0..=4 are lost.
-    st.on_live(5, b"a", &mut handoff, None);
-    st.on_live(6, b"b", &mut handoff, None);
-    st.on_live(2, b"x", &mut handoff, None);
+    st.on_live(5, None, b"a", &mut handoff, None);
+    st.on_live(6, None, b"b", &mut handoff, None);
+    st.on_live(2, None, b"x", &mut handoff, None);
     assert_eq!(
         handoff.0,
         [
@@ -567,17 +568,17 @@ fn a_seq_older_than_the_digest_window_is_checked_against_the_engine() {
     let mut st = RankState::new(Resume::New, limits, m.rank(0));
     let mut handoff = Rec::default();
     for s in 0..6 {
-        st.on_live(s, b"r", &mut handoff, None);
+        st.on_live(s, None, b"r", &mut handoff, None);
     }
     // The same incarnation: `last` (5) is what the engine replays.
     let mut eng = Engine::new(&[3, 4, 5], ReplayEnd::Complete);
-    st.on_live(1, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(1, None, b"r", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [5]);
     assert_eq!(handoff.0.len(), 6);
     assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 1);
     // Another incarnation that has not reached seq 5 yet.
     let mut eng = Engine::restarted(&[0, 1]);
-    st.on_live(1, b"n", &mut handoff, Some(&mut eng));
+    st.on_live(1, None, b"n", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [5, 0]);
     assert_eq!(&handoff.0[6..], ["clear:engine_restart", "0:n", "1:n"]);
 }
@@ -615,8 +616,8 @@ fn an_adopted_ring_without_the_rank_clears_before_its_first_batch() {
         IngestMetrics::for_tests().rank(0),
     );
     let mut handoff = Rec::default();
-    st.on_live(0, b"a", &mut handoff, None);
-    st.on_live(1, b"b", &mut handoff, None);
+    st.on_live(0, None, b"a", &mut handoff, None);
+    st.on_live(1, None, b"b", &mut handoff, None);
     assert_eq!(handoff.0, ["clear:missing_history", "0:a", "1:b"]);
 }
 
@@ -626,18 +627,18 @@ fn after_a_reconnect_the_next_batch_in_order_is_checked_first() {
     let mut st = RankState::new(Resume::New, Limits::default(), m.rank(0));
     let mut handoff = Rec::default();
     for s in 0..=3 {
-        st.on_live(s, b"r", &mut handoff, None);
+        st.on_live(s, None, b"r", &mut handoff, None);
     }
     // The same publisher again: its replay's copy of 3 matches; 4 is applied once.
     st.on_reconnect();
     let mut eng = Engine::new(&[0, 1, 2, 3, 4], ReplayEnd::Complete);
-    st.on_live(4, b"r", &mut handoff, Some(&mut eng));
+    st.on_live(4, None, b"r", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [3]);
     assert_eq!(handoff.0[4..], ["4:r"]);
     // A new incarnation that happens to be one past `last`: caught by the comparison.
     st.on_reconnect();
     let mut eng = Engine::restarted(&[0, 1, 2, 3, 4, 5]);
-    st.on_live(5, b"n", &mut handoff, Some(&mut eng));
+    st.on_live(5, None, b"n", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [4, 0]);
     assert_eq!(
         handoff.0[5..],
@@ -653,7 +654,7 @@ fn after_a_reconnect_the_next_batch_in_order_is_checked_first() {
     );
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
     // No further check once a batch of it was followed.
-    st.on_live(6, b"n", &mut handoff, Some(&mut eng));
+    st.on_live(6, None, b"n", &mut handoff, Some(&mut eng));
     assert_eq!(eng.requests, [4, 0]);
 }
 
@@ -670,7 +671,60 @@ fn live_overflow_fails_the_replay_in_band() {
     );
     let mut handoff = Rec::default();
     let mut eng = Engine::with_live(&[1, 2], ReplayEnd::Complete, &[4, 5, 6]);
-    st.on_live(3, b"l", &mut handoff, Some(&mut eng));
+    st.on_live(3, None, b"l", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0, ["1:r", "2:r", "clear:replay_overflow"]);
     assert_eq!(st.pos(), Pos::AcceptAny);
+}
+
+/// The engines' next wire (docs/engine-wire.md §13): a publisher epoch decides the incarnation.
+#[test]
+fn a_new_epoch_is_a_restart_even_where_the_seq_goes_on() {
+    let m = IngestMetrics::for_tests();
+    let mut st = RankState::new(Resume::New, Limits::default(), m.rank(0));
+    let mut handoff = Rec::default();
+    let (a, b) = (Some(Epoch(1)), Some(Epoch(2)));
+    st.on_live(0, a, b"a0", &mut handoff, None);
+    st.on_live(1, a, b"a1", &mut handoff, None);
+    // A new publisher whose first seq happens to follow: a restart all the same; its seq 2 is a
+    // gap after the clear (no replay here).
+    let mut eng = Engine::restarted(&[0, 1, 2]);
+    st.on_live(2, b, b"n", &mut handoff, Some(&mut eng));
+    assert_eq!(eng.requests, [0], "the new incarnation's whole history");
+    assert_eq!(
+        handoff.0,
+        ["0:a0", "1:a1", "clear:engine_restart", "0:n", "1:n", "2:n"]
+    );
+    assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 1);
+}
+
+#[test]
+fn the_same_epoch_makes_a_lower_seq_a_copy_without_asking_the_engine() {
+    let m = IngestMetrics::for_tests();
+    let limits = Limits {
+        window: 2,
+        ..Limits::default()
+    };
+    let mut st = RankState::new(Resume::New, limits, m.rank(0));
+    let mut handoff = Rec::default();
+    let a = Some(Epoch(7));
+    for s in 0..5 {
+        st.on_live(s, a, b"x", &mut handoff, None);
+    }
+    st.on_reconnect();
+    // Older than the digest window, other bytes, no replay endpoint: the epoch decides.
+    st.on_live(1, a, b"other", &mut handoff, None);
+    st.on_live(5, a, b"y", &mut handoff, None);
+    assert_eq!(handoff.0.len(), 6);
+    assert_eq!(handoff.0.last().unwrap(), "5:y");
+    assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
+    assert_eq!(m.duplicates_dropped.with_label_values(&["0"]).get(), 1);
+}
+
+#[test]
+fn without_an_epoch_before_the_bytes_decide() {
+    // The first epoch seen after a start names nothing to compare with: the content rule.
+    let (mut st, mut handoff) = (state(Some(3)), Rec::default());
+    let mut eng = Engine::restarted(&[0, 1]);
+    st.on_live(1, Some(Epoch(9)), b"n", &mut handoff, Some(&mut eng));
+    assert_eq!(handoff.0, ["clear:engine_restart", "0:n", "1:n"]);
 }

@@ -28,6 +28,19 @@ pub struct EnginePublisher {
     subscriptions: u64,
     /// Reply with the 4-frame form (vLLM ≥ 0.26, SGLang ≥ 0.5.22) instead of the 3-frame one.
     pub new_reply_form: bool,
+    /// The publisher identity of the engines' next wire on every live message (`None`: today's
+    /// wire). Replay replies keep 8-byte seqs and the bare topic, as in both branches.
+    pub identity: Option<Identity>,
+}
+
+/// A publisher identity as the engines' next wire carries it (both unmerged; kvbridge's
+/// docs/engine-wire.md §13 has the source commits).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// vLLM #57789: the 8-byte seq frame followed by this 16-byte UUID (24 bytes).
+    VllmUuid([u8; 16]),
+    /// SGLang #34407: the topic frame followed by `\0sgl-kv-epoch=<epoch>`.
+    SglangEpoch(String),
 }
 
 impl EnginePublisher {
@@ -103,6 +116,7 @@ impl EnginePublisher {
             buffer_steps: 10_000,
             subscriptions: 0,
             new_reply_form: true,
+            identity: None,
         })
     }
 
@@ -140,6 +154,11 @@ impl EnginePublisher {
         self.seq
     }
 
+    /// Sets the topic of every message from now on (the first frame; `""` by default).
+    pub fn set_topic(&mut self, topic: &str) {
+        self.topic = topic.as_bytes().to_vec();
+    }
+
     /// Sets how many recent batches the replay buffer keeps (the engines' `buffer_steps`,
     /// 10,000 by default).
     pub fn set_buffer_steps(&mut self, n: usize) {
@@ -172,10 +191,19 @@ impl EnginePublisher {
         let seq = self.seq;
         self.seq += 1;
         if send {
-            let s = seq.to_be_bytes();
+            let mut topic = self.topic.clone();
+            let mut s = seq.to_be_bytes().to_vec();
+            match &self.identity {
+                None => {}
+                Some(Identity::VllmUuid(u)) => s.extend_from_slice(u),
+                Some(Identity::SglangEpoch(e)) => {
+                    topic.extend_from_slice(b"\0sgl-kv-epoch=");
+                    topic.extend_from_slice(e.as_bytes());
+                }
+            }
             let _ = self
                 .publisher
-                .send_multipart([&self.topic[..], &s[..], &payload[..]], 0);
+                .send_multipart([&topic[..], &s[..], &payload[..]], 0);
         }
         if self.router.is_some() {
             self.buffer.push_back((seq, payload));
