@@ -10,7 +10,7 @@
 #   --seed S   one schedule, seed S (a failure's reproduction)
 #   --seeds N  N schedules, seeds F..F+N (default F = 1)
 #   --minutes  stop starting new schedules after M minutes
-#   --max-steps cap every schedule at K steps (default 50: the whole 20-50 a seed draws; CI runs 20)
+#   --max-steps cap every schedule at K steps (default 50: the whole 20-50 a seed draws; CI runs 12)
 #
 # The figures of the last long run are in docs/testing.md ("The fault campaign").
 set -euo pipefail

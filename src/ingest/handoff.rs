@@ -55,8 +55,8 @@ pub(super) struct RingHandoff {
     /// kept), until the next clear.
     groups_complete: bool,
     /// An engine restart was signalled and its clear not yet published: the new incarnation's
-    /// first batch decides. When it carries the engine's own clear (SGLang publishes one as
-    /// seq 0 of every start), that is the clear consumers get, so that they drop their index
+    /// first batch decides. When it is nothing but the engine's own clear (SGLang publishes one
+    /// as seq 0 of every start), that is the clear consumers get, so that they drop their index
     /// once per restart, not twice; otherwise the synthesized clear goes first. Published by
     /// [`Handoff::settle`] at the latest, before the state machine waits for the next message.
     pending_restart: Option<u64>,
@@ -236,10 +236,13 @@ impl Handoff for RingHandoff {
         // The engine's own reset makes its state what follows again; a removal dropped for an
         // unknown group may leave a block behind (counted once per batch, after its clears).
         let unknown_now = self.decoder.stats().filtered_group_unknown;
-        if ClearCount::of(self.decoder.stats()).forwards_more_than(before) {
-            // The engine's own clear: consumers drop what they hold here, as a restart's
-            // synthesized clear would have made them.
+        let after = ClearCount::of(self.decoder.stats());
+        if after.only_clears_since(before) {
+            // The engine's own clear, first in its incarnation: it is the restart's clear.
             self.pending_restart = None;
+        }
+        if after.forwards_more_than(before) {
+            // Consumers drop what they hold here: the engine's state is what follows.
             self.groups_complete = true;
             self.set_causes(Causes::EXACT);
         }
@@ -333,6 +336,7 @@ impl RingHandoff {
 #[derive(Clone, Copy)]
 struct ClearCount {
     cleared: u64,
+    others: u64,
     filtered_ownership: u64,
 }
 
@@ -340,6 +344,7 @@ impl ClearCount {
     fn of(s: &crate::decode::DecodeStats) -> ClearCount {
         ClearCount {
             cleared: s.cleared_events,
+            others: s.stored_events + s.removed_events,
             filtered_ownership: s.filtered_ownership,
         }
     }
@@ -349,5 +354,12 @@ impl ClearCount {
     /// not the engine's cache).
     fn forwards_more_than(self, before: ClearCount) -> bool {
         self.cleared > before.cleared && self.filtered_ownership == before.filtered_ownership
+    }
+
+    /// As [`Self::forwards_more_than`], and the batch had nothing but clears: it can stand for a
+    /// restart's clear (SGLang's seq 0), which consumers must meet before any event of the new
+    /// incarnation.
+    fn only_clears_since(self, before: ClearCount) -> bool {
+        self.forwards_more_than(before) && self.others == before.others
     }
 }

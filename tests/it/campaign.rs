@@ -29,9 +29,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::real_engine::{
-    engine_ops, quiet_port, replay, Endpoint, EngineKind, EngineOpts, RealEngine,
-};
+use common::real_engine::{engine_ops, replay, Endpoint, EngineKind, EngineOpts, RealEngine};
 use common::{http_get, metric, scrape, Bridge};
 use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch};
 
@@ -292,25 +290,7 @@ impl Run {
     fn start_bridge(&mut self) {
         let b = match &self.bridge_args {
             None => {
-                let grpc: std::net::SocketAddr =
-                    format!("127.0.0.1:{}", quiet_port()).parse().unwrap();
-                let args = vec![
-                    "serve".to_string(),
-                    "--grpc".into(),
-                    grpc.to_string(),
-                    "--shm".into(),
-                    self.ring.display().to_string(),
-                    "--metrics".into(),
-                    format!("127.0.0.1:{}", quiet_port()),
-                    "--kv-events-config".into(),
-                    self.engine.kv_events_config(),
-                    "--seq-base".into(),
-                    "1".into(),
-                    "--publish-zmq".into(),
-                    format!("tcp://127.0.0.1:{}", quiet_port()),
-                    "--publish-zmq-replay".into(),
-                    format!("tcp://127.0.0.1:{}", quiet_port()),
-                ];
+                let (grpc, args) = self.engine.serve_args(&self.ring, true);
                 let b = Bridge::start_args(self.dir.path(), grpc, &self.ring, args);
                 self.bridge_args = Some((b.grpc, b.args.clone()));
                 b
@@ -722,7 +702,7 @@ fn seeded_schedules(engine: EngineKind, default: &[u64]) {
     let max_steps = std::env::var("KVBRIDGE_CAMPAIGN_MAX_STEPS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(12);
     let deadline = std::env::var("KVBRIDGE_CAMPAIGN_MINUTES")
         .ok()
         .and_then(|m| m.parse::<u64>().ok())

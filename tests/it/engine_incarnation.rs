@@ -12,22 +12,8 @@ use crate::common;
 
 use common::*;
 use kvbridge::proto::common::kv_cache_event::Data;
-use kvbridge_tools::sim::Layout;
 
 const T: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Publishes a store per seed; returns their block hashes, in order.
-fn publish_stores(e: &Engine, seeds: std::ops::Range<u64>) -> Vec<u64> {
-    let mut hashes = Vec::new();
-    for seed in seeds {
-        let ev = store(seed, 2, None);
-        if let kvbridge_tools::sim::SimEvent::Stored { hashes: h, .. } = &ev {
-            hashes.extend(h);
-        }
-        e.publish(Layout::Vllm033, vec![ev], 0);
-    }
-    hashes
-}
 
 /// The metric `name{rank="0"}` of the bridge at `addr`, once `pred` holds for it.
 fn wait_rank_metric(addr: std::net::SocketAddr, name: &str, pred: impl Fn(f64) -> bool) -> f64 {
@@ -43,7 +29,7 @@ async fn an_engine_restarted_while_kvbridge_was_down_is_a_clear_then_its_whole_h
     let args = e.bridge_args();
     let (bridge, _) = Bridge::start_with_metrics(dir.path(), &ring, &args);
     e.wait_subscribed();
-    let old = publish_stores(&e, 1..4);
+    let old = e.publish_stores(1..4);
     let (mut s, ring_id) = subscribe_with_ring_id(&bridge.url(), 0).await.unwrap();
     assert_eq!(ring_id.len(), 16, "{ring_id}");
     let before = collect_until(&mut s, T, |g| stored_hashes(g).len() >= old.len()).await;
@@ -56,7 +42,7 @@ async fn an_engine_restarted_while_kvbridge_was_down_is_a_clear_then_its_whole_h
     // While kvbridge is down: the engine restarts (its seq back to 0, its replay buffer empty)
     // and publishes more batches than kvbridge had applied (seqs 0..=4 against its last 2).
     e.with(|p| p.restart());
-    let new = publish_stores(&e, 11..16);
+    let new = e.publish_stores(11..16);
 
     let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
     let metrics = bridge.metrics.expect("metrics on");
@@ -82,7 +68,7 @@ async fn an_engine_restarted_while_kvbridge_was_down_is_a_clear_then_its_whole_h
         1.0
     );
     // And live from there on.
-    let more = publish_stores(&e, 21..23);
+    let more = e.publish_stores(21..23);
     let live = collect_until(&mut s, T, |g| stored_hashes(g).len() >= more.len()).await;
     assert_eq!(stored_hashes(&live), more);
     assert_eq!(clears(&live), 0);
@@ -108,7 +94,7 @@ async fn a_connecting_engine_redelivering_after_a_kvbridge_restart_is_no_restart
         Bridge::try_start_with_metrics(dir.path(), &ring, &args).map(|(b, m)| (e, b, m))
     });
     e.wait_subscribed();
-    let old = publish_stores(&e, 1..4);
+    let old = e.publish_stores(1..4);
     let mut s = subscribe(&bridge.url(), 0).await.unwrap();
     let before = collect_until(&mut s, T, |g| stored_hashes(g).len() >= old.len()).await;
     let cursor = before.last().unwrap().sequence_number;
@@ -120,7 +106,7 @@ async fn a_connecting_engine_redelivering_after_a_kvbridge_restart_is_no_restart
     // Published while kvbridge is dead: queued in the engine's PUB for the connection, and in
     // its replay buffer. The restarted kvbridge's catch-up replay applies them; the PUB then
     // delivers its queued copies on the new connection.
-    let meanwhile = publish_stores(&e, 11..15);
+    let meanwhile = e.publish_stores(11..15);
     let subscribed = e.subscriptions();
     let bridge = Bridge::start_args(dir.path(), grpc, &ring, args);
     let metrics = bridge.metrics.expect("metrics on");
@@ -137,7 +123,7 @@ async fn a_connecting_engine_redelivering_after_a_kvbridge_restart_is_no_restart
         0.0,
         "copies on a new connection are no restart"
     );
-    let live = publish_stores(&e, 21..23);
+    let live = e.publish_stores(21..23);
     let mut s = subscribe(&bridge.url(), cursor).await.unwrap();
     let want: Vec<u64> = meanwhile.iter().chain(&live).copied().collect();
     let after = collect_until(&mut s, T, |g| stored_hashes(g).len() >= want.len()).await;

@@ -19,19 +19,6 @@ use kvbridge_tools::sim::{Identity, Layout};
 
 const T: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Publishes a store per seed; returns their block hashes, in order.
-fn publish_stores(e: &Engine, seeds: std::ops::Range<u64>) -> Vec<u64> {
-    let mut hashes = Vec::new();
-    for seed in seeds {
-        let ev = store(seed, 2, None);
-        if let kvbridge_tools::sim::SimEvent::Stored { hashes: h, .. } = &ev {
-            hashes.extend(h);
-        }
-        e.publish(Layout::Vllm033, vec![ev], 0);
-    }
-    hashes
-}
-
 /// One engine restart under kvbridge, the new identity `second`: the first incarnation's stores,
 /// exactly one clear, the second's, in order; one restart counted; no frame dropped.
 async fn a_publisher_restart_is_one_clear(first: Identity, second: Identity, topic: &str) {
@@ -49,7 +36,7 @@ async fn a_publisher_restart_is_one_clear(first: Identity, second: Identity, top
     }
     let (bridge, metrics) = Bridge::start_with_metrics(dir.path(), &ring, &args);
     e.wait_subscribed();
-    let old = publish_stores(&e, 1..4);
+    let old = e.publish_stores(1..4);
     // An idle publisher's heartbeat: an empty batch with a seq of its own.
     let heartbeat = e.publish(Layout::Vllm033, vec![], 0);
     let mut s = subscribe(&bridge.url(), 0).await.unwrap();
@@ -67,8 +54,8 @@ async fn a_publisher_restart_is_one_clear(first: Identity, second: Identity, top
         p.restart();
         p.identity = Some(second);
     });
-    let filler = publish_stores(&e, 20..25);
-    let new = publish_stores(&e, 11..14);
+    let filler = e.publish_stores(20..25);
+    let new = e.publish_stores(11..14);
     let after = collect_until(&mut s, T, |g| {
         stored_hashes(g).len() >= filler.len() + new.len()
     })

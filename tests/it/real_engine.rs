@@ -36,8 +36,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::real_engine::{
-    block_set, diff, engine_ops, grpc_ops, quiet_port, replay, stream_from_0, Endpoint, EngineKind,
-    EngineOpts, Op, PortHold, RealEngine, VllmDecoder, BLOCKS,
+    block_set, diff, engine_ops, grpc_ops, replay, stream_from_0, Endpoint, EngineKind, EngineOpts,
+    Op, PortHold, RealEngine, VllmDecoder, BLOCKS,
 };
 use common::{metric, scrape, Bridge};
 
@@ -159,31 +159,7 @@ impl Timeline {
     fn start_bridge(&mut self) {
         let b = match &self.bridge_args {
             None => {
-                // Every port quiet (below the ephemeral range): kvbridge comes back on them
-                // after a restart, and an ephemeral port can be taken meanwhile (the engine's
-                // own processes bind some when they restart).
-                let grpc: SocketAddr = format!("127.0.0.1:{}", quiet_port()).parse().unwrap();
-                let mut args = vec![
-                    "serve".to_string(),
-                    "--grpc".into(),
-                    grpc.to_string(),
-                    "--shm".into(),
-                    self.ring.display().to_string(),
-                    "--metrics".into(),
-                    format!("127.0.0.1:{}", quiet_port()),
-                    "--kv-events-config".into(),
-                    self.engine.kv_events_config(),
-                    "--seq-base".into(),
-                    "1".into(),
-                ];
-                if self.publish_zmq {
-                    args.extend([
-                        "--publish-zmq".to_string(),
-                        format!("tcp://127.0.0.1:{}", quiet_port()),
-                        "--publish-zmq-replay".into(),
-                        format!("tcp://127.0.0.1:{}", quiet_port()),
-                    ]);
-                }
+                let (grpc, args) = self.engine.serve_args(&self.ring, self.publish_zmq);
                 let b = Bridge::start_args(self.dir.path(), grpc, &self.ring, args);
                 self.bridge_args = Some((b.grpc, b.args.clone()));
                 b

@@ -197,6 +197,20 @@ impl Engine {
         self.wait_subscribed_after(0);
     }
 
+    /// Publishes a 2-block store per seed, one batch each (vLLM 0.33's layout); returns their
+    /// block hashes, in order.
+    pub fn publish_stores(&self, seeds: std::ops::Range<u64>) -> Vec<u64> {
+        let mut hashes = Vec::new();
+        for seed in seeds {
+            let ev = store(seed, 2, None);
+            if let SimEvent::Stored { hashes: h, .. } = &ev {
+                hashes.extend(h);
+            }
+            self.publish(Layout::Vllm033, vec![ev], 0);
+        }
+        hashes
+    }
+
     /// Publishes one batch of `events` in `layout`, stamped with the wall clock as the engines
     /// stamp theirs (so two incarnations never send the same bytes); returns its engine seq.
     pub fn publish(&self, layout: Layout, events: Vec<SimEvent>, rank: u32) -> u64 {

@@ -334,6 +334,41 @@ impl RealEngine {
         args
     }
 
+    /// A `kvbridge serve` for this engine on `ring` whose every port is quiet (below the
+    /// ephemeral range: kvbridge comes back on them after a restart, and an ephemeral port can
+    /// be taken meanwhile, the engine's own processes bind some when they restart): its gRPC
+    /// address and arguments, metrics on, ring numbers from 1, and with `publish_zmq` the
+    /// engine-wire re-publish and its replay.
+    pub fn serve_args(
+        &self,
+        ring: &Path,
+        publish_zmq: bool,
+    ) -> (std::net::SocketAddr, Vec<String>) {
+        let grpc: std::net::SocketAddr = format!("127.0.0.1:{}", quiet_port()).parse().unwrap();
+        let mut args = vec![
+            "serve".to_string(),
+            "--grpc".into(),
+            grpc.to_string(),
+            "--shm".into(),
+            ring.display().to_string(),
+            "--metrics".into(),
+            format!("127.0.0.1:{}", quiet_port()),
+            "--kv-events-config".into(),
+            self.kv_events_config(),
+            "--seq-base".into(),
+            "1".into(),
+        ];
+        if publish_zmq {
+            args.extend([
+                "--publish-zmq".to_string(),
+                format!("tcp://127.0.0.1:{}", quiet_port()),
+                "--publish-zmq-replay".into(),
+                format!("tcp://127.0.0.1:{}", quiet_port()),
+            ]);
+        }
+        (grpc, args)
+    }
+
     /// SMG gRPC mode: the `PROMETHEUS_MULTIPROC_DIR` of the current incarnation, where vLLM's
     /// Prometheus client keeps its counters (`vllm:prefix_cache_hits_total`, …): the gRPC
     /// launcher has no HTTP endpoint to scrape them from ([`VllmCounters`] reads them).
@@ -654,20 +689,10 @@ impl RealEngine {
     }
 
     /// The current incarnation's whole history, from its replay from 0, once the engine has
-    /// published everything it had queued when this was called: replays are served on the
-    /// publisher thread between queue reads (one request per loop pass, after a read that
-    /// waits up to 100 ms), so two replays in a row that return the same batches had an empty
-    /// queue between them. Checks seqs 0, 1, … and, when there is a truth SUB, that it received
-    /// exactly these batches live.
+    /// published everything it had queued when this was called ([`Self::quiet_replay`]). Checks
+    /// seqs 0, 1, … and, when there is a truth SUB, that it received exactly these batches live.
     pub fn history(&self) -> Vec<Batch> {
-        let mut last = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
-        let h = loop {
-            let now = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
-            if now == last {
-                break now;
-            }
-            last = now;
-        };
+        let h = self.quiet_replay();
         for (i, (seq, _)) in h.iter().enumerate() {
             assert_eq!(
                 *seq,
@@ -676,29 +701,14 @@ impl RealEngine {
                 h.iter().map(|b| b.0).collect::<Vec<_>>()
             );
         }
-        if let (Some(live), Some(newest)) = (&self.live, h.last()) {
-            let want = newest.0;
-            let got = eventually(
-                "the truth SUB received the engine's newest batch",
-                Duration::from_secs(30),
-                || {
-                    let l = live.current();
-                    match l.last() {
-                        Some(b) if b.0 >= want => Ok(l),
-                        _ => Err(l.last().map(|b| b.0)),
-                    }
-                },
-            );
-            // SGLang publishes seq 0 (its start-up clear) as its PUB binds, before a SUB's
-            // reconnect completes: the truth SUB may miss it, and only it. Missed alone, the
-            // SUB's latest incarnation is still the one before.
-            let missed_seq_0 = self.opts.engine == EngineKind::Sglang
-                && h.first().is_some_and(|b| b.0 == 0)
-                && got.first().is_none_or(|g| g.0 != 0 || h.len() == 1);
-            let got = if missed_seq_0 && got.first().is_some_and(|g| g.0 == 1) {
+        // SGLang publishes seq 0 (its start-up clear) as its PUB binds, before a SUB's reconnect
+        // completes: the truth SUB may miss it, and only it (alone, there is nothing to wait for).
+        let sglang = self.opts.engine == EngineKind::Sglang;
+        let start_only = sglang && h.len() == 1 && h[0].0 == 0;
+        if let (Some(live), Some(newest), false) = (&self.live, h.last(), start_only) {
+            let got = live.until(newest);
+            let got = if sglang && got.first().is_some_and(|g| g.0 == 1) && h[0].0 == 0 {
                 [vec![h[0].clone()], got].concat()
-            } else if missed_seq_0 && h.len() == 1 {
-                h.clone()
             } else {
                 got
             };
@@ -720,15 +730,8 @@ impl RealEngine {
     /// seq 0, else the truth SUB's (the engine binds its PUB; it is complete, whatever the buffer
     /// still holds). Empty for an incarnation that has published nothing.
     pub fn truth(&self) -> Vec<Batch> {
-        let mut last = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
-        let now = loop {
-            let now = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
-            if now == last {
-                break now;
-            }
-            last = now;
-        };
-        let Some(newest) = now.last().map(|b| b.0) else {
+        let now = self.quiet_replay();
+        let Some(newest) = now.last() else {
             return Vec::new();
         };
         if now.first().map(|b| b.0) == Some(0) {
@@ -739,17 +742,21 @@ impl RealEngine {
         let live = self.live.as_ref().expect(
             "the replay buffer no longer holds the incarnation's start: no truth without a truth SUB",
         );
-        eventually(
-            "the truth SUB received the engine's newest batch",
-            Duration::from_secs(30),
-            || {
-                let l = live.current();
-                match l.last() {
-                    Some(b) if b.0 >= newest => Ok(l),
-                    _ => Err(l.last().map(|b| b.0)),
-                }
-            },
-        )
+        live.until(newest)
+    }
+
+    /// The replay from 0 once the engine is quiet: replays are served on the publisher thread
+    /// between queue reads (one request per loop pass, after a read that waits up to 100 ms), so
+    /// two replays in a row that return the same batches had an empty queue between them.
+    fn quiet_replay(&self) -> Vec<Batch> {
+        let mut last = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
+        loop {
+            let now = self.replay_from(0).unwrap_or_else(|e| panic!("{e}"));
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
     }
 }
 

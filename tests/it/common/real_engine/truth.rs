@@ -77,6 +77,22 @@ impl LiveSub {
     pub(super) fn current(&self) -> Vec<Batch> {
         self.got.lock().unwrap().last().cloned().unwrap_or_default()
     }
+
+    /// The current incarnation, once this SUB has received `newest` (that very batch, seq and
+    /// bytes: a seq alone can be the incarnation before's).
+    pub(super) fn until(&self, newest: &Batch) -> Vec<Batch> {
+        eventually(
+            "the truth SUB received the engine's newest batch",
+            Duration::from_secs(30),
+            || {
+                let l = self.current();
+                match l.last() {
+                    Some(b) if b == newest => Ok(l),
+                    _ => Err(l.last().map(|b| b.0)),
+                }
+            },
+        )
+    }
 }
 
 impl Drop for LiveSub {
