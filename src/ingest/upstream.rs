@@ -7,10 +7,13 @@
 //! synthesized `cleared` event) before moving on. Nothing is ever skipped silently: every way of
 //! losing batches ends in a clear that downstream indexes act on (docs/smg-api.md §6.4).
 //!
-//! **Same batch, or a new engine incarnation?** The wire has no incarnation id, and neither a
-//! sequence number going back nor a new connection proves a restart: a publisher that connects
-//! to kvbridge re-delivers, after a reconnect, batches kvbridge already applied through a replay,
-//! and a restarted engine that published more than kvbridge had seen looks like a forward gap.
+//! **Same batch, or a new engine incarnation?** Where the publisher names its epoch (the
+//! engines' next wire, docs/engine-wire.md §13: vLLM #57789's UUID, SGLang #34407's
+//! `sgl-kv-epoch`), the epoch decides ([`RankState::on_live`]). Today's wire has no incarnation
+//! id, and neither a sequence number going back nor a new connection proves a restart: a
+//! publisher that connects to kvbridge re-delivers, after a reconnect, batches kvbridge already
+//! applied through a replay, and a restarted engine that published more than kvbridge had seen
+//! looks like a forward gap.
 //! The bytes decide instead. Every batch carries the engine's wall-clock `ts`, so two
 //! incarnations never publish the same bytes at the same seq: the state machine keeps a
 //! [`digest`] of each applied batch (a window of the recent ones in memory; the last one in the
