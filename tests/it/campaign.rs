@@ -29,14 +29,15 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::real_engine::{engine_ops, replay, Endpoint, EngineKind, EngineOpts, RealEngine};
+use common::real_engine::{
+    engine_ops, prompt, replay, Endpoint, EngineKind, EngineOpts, RealEngine,
+};
 use common::{http_get, metric, scrape, Bridge};
 use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch};
 
 /// How long kvbridge and its consumers may take to show what the engine published.
 const SETTLE: Duration = Duration::from_secs(30);
-/// Words per prompt and tokens generated (as `real_engine`: 3 blocks of 32 per request).
-const PROMPT_WORDS: u64 = 70;
+/// Tokens generated per request (with a 70-word `prompt`, 3 blocks of 32, as `real_engine`).
 const MAX_TOKENS: usize = 30;
 /// The engine's replay buffer when it binds: a burst passes it, so that a kvbridge down or paused
 /// meanwhile finds history missing.
@@ -236,13 +237,6 @@ struct Run {
     /// get exactly one clear for it (not one of kvbridge's and then the engine's own).
     one_clear: bool,
     tally: Tally,
-}
-
-fn prompt(i: u64) -> String {
-    (0..PROMPT_WORDS)
-        .map(|j| format!("w{}", (i * 37 + j * 11) % 508))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 impl Run {

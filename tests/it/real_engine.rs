@@ -36,16 +36,15 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::real_engine::{
-    block_set, diff, engine_ops, grpc_ops, replay, stream_from_0, Endpoint, EngineKind, EngineOpts,
-    Op, PortHold, RealEngine, VllmDecoder, BLOCKS,
+    block_set, diff, engine_ops, grpc_ops, prompt, replay, stream_from_0, Endpoint, EngineKind,
+    EngineOpts, Op, PortHold, RealEngine, VllmDecoder, BLOCKS, PROMPT_WORDS,
 };
 use common::{metric, scrape, Bridge};
 
 /// How long kvbridge may take to show what the engine published (a few hundred ms normally).
 const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
-/// Words per prompt and tokens generated: 70 + 30 = 100 tokens, i.e. 3 full blocks of 32 (2
-/// stored by the prefill, 1 by the decode).
-const PROMPT_WORDS: u64 = 70;
+/// Tokens generated: 70 prompt words + 30 = 100 tokens, i.e. 3 full blocks of 32 (2 stored by
+/// the prefill, 1 by the decode).
 const MAX_TOKENS: usize = 30;
 
 /// How a process is stopped.
@@ -60,15 +59,6 @@ fn other(s: Stop) -> Stop {
         Stop::Term => Stop::Kill,
         Stop::Kill => Stop::Term,
     }
-}
-
-/// Prompt `i`: 70 words whose first one differs from every other prompt's (37 is prime to the
-/// 508 words), so no two prompts share a block.
-fn prompt(i: u64) -> String {
-    (0..PROMPT_WORDS)
-        .map(|j| format!("w{}", (i * 37 + j * 11) % 508))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 struct Timeline {

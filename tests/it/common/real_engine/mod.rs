@@ -52,6 +52,18 @@ pub const BLOCK_SIZE: usize = 32;
 /// KV blocks of the engine (`--num-gpu-blocks-override`): few, so that a modest load evicts.
 pub const BLOCKS: usize = 64;
 
+/// Words (tokens) per [`prompt`].
+pub const PROMPT_WORDS: u64 = 70;
+
+/// Prompt `i`: [`PROMPT_WORDS`] words whose first one differs from every other prompt's (37 is
+/// prime to the 508 words), so no two prompts share a block.
+pub fn prompt(i: u64) -> String {
+    (0..PROMPT_WORDS)
+        .map(|j| format!("w{}", (i * 37 + j * 11) % 508))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// How long the engine may take to answer `/health` after its start (~25 s on an idle machine,
 /// a minute and more on a loaded one, cold file cache).
 const START_TIMEOUT: Duration = Duration::from_secs(300);
