@@ -131,6 +131,8 @@ impl Ingest {
                 ),
                 monitor,
                 lost_since: None,
+                handshake: None,
+                probes_done: 0,
                 upstream: upstream.clone(),
                 io: RankIo {
                     rank: rank.clone(),

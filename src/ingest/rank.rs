@@ -19,7 +19,17 @@ const MONITOR_EVENTS: i32 = zmq::SocketEvent::CONNECTED as i32
     | zmq::SocketEvent::DISCONNECTED as i32
     | zmq::SocketEvent::CLOSED as i32
     | zmq::SocketEvent::CONNECT_DELAYED as i32
-    | zmq::SocketEvent::CONNECT_RETRIED as i32;
+    | zmq::SocketEvent::CONNECT_RETRIED as i32
+    | zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32;
+
+/// When, after a publisher connection's handshake, kvbridge asks the engine's replay service for
+/// what follows `last` if no live message has arrived on it meanwhile (a tail probe). A PUB
+/// forwards only what is published after it has read the SUB's subscription, and nothing tells
+/// the SUB when that was; a batch published between kvbridge's catch-up replay and that moment
+/// is lost to the live stream, and no later batch may come to reveal it as a gap (an idle
+/// engine). The first probe covers an ordinary machine, the second a loaded one; a live message
+/// makes both unnecessary (anything lost before it is a gap the state machine fills).
+const PROBE_AFTER: [Duration; 2] = [Duration::from_millis(200), Duration::from_secs(2)];
 
 /// How long a connecting SUB may stay disconnected with no reconnect attempt from libzmq before
 /// kvbridge connects it again. libzmq schedules its own reconnect (`CONNECT_RETRIED`) within
@@ -86,6 +96,11 @@ pub(super) struct RankWorker {
     pub(super) monitor: zmq::Socket,
     /// Connecting SUB only: when the publisher connection dropped with no reconnect under way.
     pub(super) lost_since: Option<Instant>,
+    /// The newest publisher handshake, while no live message has arrived since: the tail probes
+    /// of [`PROBE_AFTER`] still due are those past `probes_done`.
+    pub(super) handshake: Option<Instant>,
+    /// Tail probes made since `handshake`.
+    pub(super) probes_done: usize,
     pub(super) upstream: Arc<UpstreamState>,
     pub(super) state: RankState,
     pub(super) handoff: RingHandoff,
@@ -133,7 +148,7 @@ impl RankWorker {
                     self.io.sub.as_poll_item(zmq::POLLIN),
                     self.monitor.as_poll_item(zmq::POLLIN),
                 ];
-                match zmq::poll(&mut items, 100) {
+                match zmq::poll(&mut items, self.poll_timeout()) {
                     Ok(_) => (items[0].is_readable(), items[1].is_readable()),
                     Err(e) => {
                         tracing::error!(rank = self.io.rank.rank, error = %e, "poll failed");
@@ -146,6 +161,7 @@ impl RankWorker {
                 self.drain_monitor();
             }
             self.rejoin_if_abandoned();
+            self.probe_if_due();
             if !data {
                 continue;
             }
@@ -176,6 +192,8 @@ impl RankWorker {
                         continue;
                     }
                 };
+                // The subscription is live: nothing before this message needs a probe.
+                self.handshake = None;
                 let payload: &[u8] = &bufs[2];
                 if matches!(self.state.pos(), Pos::Last(l) if live.seq <= l) {
                     // Repeat or restart depends on whether the publisher reconnected meanwhile:
@@ -196,6 +214,43 @@ impl RankWorker {
 }
 
 impl RankWorker {
+    /// The poll's wait: 100 ms, or less when a tail probe falls due sooner.
+    fn poll_timeout(&self) -> i64 {
+        let due = self
+            .handshake
+            .and_then(|t| PROBE_AFTER.get(self.probes_done).map(|d| t + *d));
+        match due {
+            Some(at) => {
+                (at.saturating_duration_since(Instant::now()).as_millis() as i64).clamp(1, 100)
+            }
+            None => 100,
+        }
+    }
+
+    /// Asks the engine's replay service for what follows `last` when a tail probe is due (see
+    /// [`PROBE_AFTER`]).
+    fn probe_if_due(&mut self) {
+        let Some(t) = self.handshake else { return };
+        let Some(after) = PROBE_AFTER.get(self.probes_done) else {
+            self.handshake = None;
+            return;
+        };
+        if t.elapsed() < *after {
+            return;
+        }
+        self.probes_done += 1;
+        let Some(mut rep) = self.io.replay() else {
+            self.handshake = None;
+            return;
+        };
+        tracing::debug!(
+            rank = self.io.rank.rank,
+            probe = self.probes_done,
+            "tail probe"
+        );
+        self.state.probe(&mut self.handoff, &mut rep);
+    }
+
     /// Connects the SUB again when libzmq gave its connection up (see [`REJOIN_AFTER`]).
     fn rejoin_if_abandoned(&mut self) {
         if self.lost_since.is_none_or(|t| t.elapsed() < REJOIN_AFTER) {
@@ -248,6 +303,10 @@ impl RankWorker {
                         tracing::warn!(rank, %endpoint, connections = n,
                             "engine publisher disconnected (engine gone, or a message above --max-engine-message)");
                     }
+                }
+                zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
+                    self.handshake = Some(Instant::now());
+                    self.probes_done = 0;
                 }
                 zmq::SocketEvent::CONNECT_DELAYED | zmq::SocketEvent::CONNECT_RETRIED => {
                     // libzmq is reconnecting by itself.

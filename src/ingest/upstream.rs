@@ -249,6 +249,15 @@ impl RankState {
         handoff.settle();
     }
 
+    /// A tail probe after a publisher connection on which nothing arrived yet: the same as a
+    /// catch-up (a batch published before the subscription took effect is only in the engine's
+    /// replay buffer). Not right after an in-band loss, which accepts whatever comes next.
+    pub fn probe(&mut self, handoff: &mut dyn Handoff, rep: &mut dyn ReplaySource) {
+        if self.pos != Pos::AcceptAny {
+            self.catch_up(handoff, rep);
+        }
+    }
+
     /// Handles one live batch, `epoch` its publisher's when the message names one. Where it does,
     /// the epoch decides the incarnation (docs/engine-wire.md §13): another one than the last
     /// seen is an engine restart (an in-band clear, then the new incarnation from its start),
