@@ -212,6 +212,7 @@ fn main() {
     let cfg = PublishZmqConfig {
         publish: any.clone(),
         replay: Some(any),
+        snapshot: None,
         topic: None,
         layout: WireLayout::Map,
         hwm: kvbridge::publish_zmq::DEFAULT_PUB_HWM,
@@ -227,7 +228,8 @@ fn main() {
         metrics,
     )
     .expect("the edge binds");
-    let (_, pub_ep, replay_ep) = edge.bound[0].clone();
+    let b = edge.bound[0].clone();
+    let (pub_ep, replay_ep) = (b.publish, b.replay);
     let replay_ep = replay_ep.expect("replay bound");
 
     // The SUB: latency from each batch's publish (its `ts`) into the current window's histogram.

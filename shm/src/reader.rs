@@ -233,6 +233,16 @@ impl RingReader {
     pub fn ring_id(&self) -> u64 {
         self.m.geo.ring_id
     }
+    /// The ring incarnation's 16-byte identity: its id, then its creation time (ns since the
+    /// Unix epoch), both big-endian. Both are written before the file is renamed into place and
+    /// never change, so the identity is the same for every reader and writer of one file, across
+    /// writer restarts that adopt it, and new when the file is re-created.
+    pub fn identity(&self) -> [u8; 16] {
+        let mut id = [0; 16];
+        id[..8].copy_from_slice(&self.m.geo.ring_id.to_be_bytes());
+        id[8..].copy_from_slice(&self.m.base().load(OFF_CREATED_NS).to_be_bytes());
+        id
+    }
     /// Data capacity in bytes.
     pub fn capacity(&self) -> usize {
         self.m.geo.cap as usize

@@ -62,8 +62,9 @@ fn write_ready_file(path: &std::path::Path, h: &Service) -> std::io::Result<()> 
     let publish_zmq: Vec<serde_json::Value> = h
         .publish_zmq
         .iter()
-        .map(|(rank, publish, replay)| {
-            serde_json::json!({ "rank": rank, "publish": publish, "replay": replay })
+        .map(|b| {
+            serde_json::json!({ "rank": b.rank, "publish": b.publish, "replay": b.replay,
+                "snapshot": b.snapshot })
         })
         .collect();
     let text = serde_json::json!({

@@ -16,6 +16,11 @@ concern! {
         /// Also bind the replay ROUTER of rank r on PORT + r (the vLLM replay protocol).
         #[arg(long, value_name = "tcp://HOST:PORT")]
         pub publish_zmq_replay: Option<String>,
+        /// Serve vLLM #57789's wire (unmerged): bind its snapshot ROUTER for rank r on PORT + r,
+        /// answering from the snapshot table; live seq frames carry the ring's 16-byte identity,
+        /// and an idle rank sends an empty batch every second.
+        #[arg(long, value_name = "tcp://HOST:PORT")]
+        pub publish_zmq_snapshot: Option<String>,
         /// Topic frame of published batches.
         #[arg(long, value_name = "TOPIC")]
         pub publish_zmq_topic: Option<String>,
@@ -38,6 +43,7 @@ impl PublishZmqArgs {
         let Some(publish) = self.publish_zmq else {
             for (name, given) in [
                 ("publish-zmq-replay", self.publish_zmq_replay.is_some()),
+                ("publish-zmq-snapshot", self.publish_zmq_snapshot.is_some()),
                 ("publish-zmq-topic", self.publish_zmq_topic.is_some()),
                 ("publish-zmq-layout", self.publish_zmq_layout.is_some()),
                 ("publish-zmq-hwm", self.publish_zmq_hwm.is_some()),
@@ -53,6 +59,10 @@ impl PublishZmqArgs {
             Some(r) => Some(TcpEndpoint::parse("publish-zmq-replay", r).map_err(invalid)?),
             None => None,
         };
+        let snapshot = match &self.publish_zmq_snapshot {
+            Some(r) => Some(TcpEndpoint::parse("publish-zmq-snapshot", r).map_err(invalid)?),
+            None => None,
+        };
         let hwm = self.publish_zmq_hwm.unwrap_or(DEFAULT_PUB_HWM);
         if !(1..=MAX_PUB_HWM).contains(&hwm) {
             return Err(invalid(format!(
@@ -62,6 +72,7 @@ impl PublishZmqArgs {
         Ok(Some(PublishZmqConfig {
             publish,
             replay,
+            snapshot,
             topic: self.publish_zmq_topic,
             layout: self.publish_zmq_layout.unwrap_or_default(),
             hwm,

@@ -383,6 +383,11 @@ fn rows(dir: &Path) -> Vec<Row> {
             "publish-zmq = \"tcp://*:6557\"\npublish-zmq-replay = \"tcp://*:6700\"",
         ),
         row(
+            "--publish-zmq tcp://*:6557 --publish-zmq-snapshot tcp://*:6559",
+            "publish-zmq = \"tcp://*:6557\"\npublish-zmq-snapshot = \"tcp://*:6559\"",
+            "publish-zmq = \"tcp://*:6557\"\npublish-zmq-snapshot = \"tcp://*:6800\"",
+        ),
+        row(
             "--publish-zmq tcp://*:6557 --publish-zmq-topic kv",
             "publish-zmq = \"tcp://*:6557\"\npublish-zmq-topic = \"kv\"",
             "publish-zmq = \"tcp://*:6557\"\npublish-zmq-topic = \"other\"",

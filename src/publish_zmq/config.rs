@@ -1,5 +1,5 @@
 //! The engine-wire edge's settings: what `--publish-zmq`, `--publish-zmq-replay`,
-//! `--publish-zmq-topic`, `--publish-zmq-layout` and `--publish-zmq-hwm` (or the TOML file)
+//! `--publish-zmq-snapshot`, `--publish-zmq-topic`, `--publish-zmq-layout` and `--publish-zmq-hwm` (or the TOML file)
 //! resolve to. The edge owns them; `crate::config` only parses and validates the flags into them.
 
 use super::WireLayout;
@@ -11,6 +11,9 @@ pub struct PublishZmqConfig {
     pub publish: TcpEndpoint,
     /// The replay ROUTER endpoint of rank 0, if replay is served.
     pub replay: Option<TcpEndpoint>,
+    /// The snapshot ROUTER endpoint of rank 0 (vLLM #57789's wire: 24-byte seq frames carrying
+    /// the ring's identity, heartbeats, a snapshot service), if served.
+    pub snapshot: Option<TcpEndpoint>,
     /// Topic frame; `None`: the engine's own topic (`--topic` / `--kv-events-config`).
     pub topic: Option<String>,
     /// Event encoding.
@@ -87,17 +90,21 @@ impl PublishZmqConfig {
                 Ok(())
             }
         };
-        fits("publish-zmq", &self.publish)?;
-        if let Some(r) = &self.replay {
-            fits("publish-zmq-replay", r)?;
-            let (p, q) = (u32::from(self.publish.port), u32::from(r.port));
-            if p != 0 && q != 0 && p.max(q) - p.min(q) < ranks && self.publish.host == r.host {
-                return Err(format!(
-                    "--publish-zmq port {p} and --publish-zmq-replay port {q}: with {ranks} rank(s) \
-                     the ranges {p}..{} and {q}..{} overlap; keep them {ranks} or more apart",
-                    p + last,
-                    q + last
-                ));
+        let mut named = vec![("publish-zmq", &self.publish)];
+        named.extend(self.replay.iter().map(|r| ("publish-zmq-replay", r)));
+        named.extend(self.snapshot.iter().map(|r| ("publish-zmq-snapshot", r)));
+        for (i, &(flag, e)) in named.iter().enumerate() {
+            fits(flag, e)?;
+            for &(other, o) in &named[..i] {
+                let (p, q) = (u32::from(o.port), u32::from(e.port));
+                if p != 0 && q != 0 && p.max(q) - p.min(q) < ranks && o.host == e.host {
+                    return Err(format!(
+                        "--{other} port {p} and --{flag} port {q}: with {ranks} rank(s) \
+                         the ranges {p}..{} and {q}..{} overlap; keep them {ranks} or more apart",
+                        p + last,
+                        q + last
+                    ));
+                }
             }
         }
         Ok(())

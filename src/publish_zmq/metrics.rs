@@ -16,6 +16,8 @@ pub(crate) struct ZmqMetrics {
     pub(super) replay_bytes: IntCounterVec,
     pub(super) replays_active: IntGaugeVec,
     pub(super) replays_queued: IntGaugeVec,
+    pub(super) snapshot_requests: IntCounterVec,
+    pub(super) heartbeats: IntCounterVec,
 }
 
 impl ZmqMetrics {
@@ -58,6 +60,16 @@ impl ZmqMetrics {
                 "zmq_replays_queued",
                 "Replay requests waiting for a free replay slot",
             ),
+            snapshot_requests: counter(
+                "zmq_snapshot_requests_total",
+                "Snapshot requests (vLLM #57789's wire) by outcome: served (the rank's table at a cut), unavailable (-2: no table, an incomplete one, or above the reply limit), dropped (the requester's pipe full)",
+                &["rank", "outcome"],
+            ),
+            heartbeats: counter(
+                "zmq_heartbeats_total",
+                "Empty batches sent on vLLM #57789's wire after a second with nothing to publish",
+                &["rank"],
+            ),
         }
     }
 }
@@ -94,7 +106,7 @@ impl ZmqMetrics {
     /// Creates every series of rank `rank` at zero, so that a dashboard shows the edge before its
     /// first event and an alert's `increase()` counts the first clear or refused replay (a series
     /// that appears at 1 has no earlier sample to increase from).
-    pub(super) fn init_rank(&self, rank: u32, replay: bool) {
+    pub(super) fn init_rank(&self, rank: u32, replay: bool, snapshot: bool) {
         let r = rank.to_string();
         self.published.with_label_values(&[&r]);
         self.published_bytes.with_label_values(&[&r]);
@@ -110,6 +122,13 @@ impl ZmqMetrics {
             self.replay_bytes.with_label_values(&[&r]);
             self.replays_active.with_label_values(&[&r]);
             self.replays_queued.with_label_values(&[&r]);
+        }
+        if snapshot {
+            for outcome in super::snapshot::Outcome::ALL {
+                self.snapshot_requests
+                    .with_label_values(&[&r, outcome.label()]);
+            }
+            self.heartbeats.with_label_values(&[&r]);
         }
     }
 }

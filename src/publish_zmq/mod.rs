@@ -19,11 +19,21 @@
 //! ring's window gets exactly start … newest, an older one the rank's current state (the
 //! snapshot table, as gRPC late joiners get it) and then the retained tail.
 //!
+//! **vLLM #57789's wire** (`--publish-zmq-snapshot`, `snapshot.rs`; unmerged): the live seq
+//! frame grows to 24 bytes, the ring seq then the ring's 16-byte identity (the publisher UUID of
+//! the PR: the same across kvbridge restarts that adopt the ring, and new with a new ring, which
+//! is the only time the numbering starts again); a rank with nothing to publish for
+//! [`HEARTBEAT`] sends an empty batch, numbered as the last message it sent (the engine spends a
+//! seq on it; kvbridge's seqs are the ring's, so a heartbeat repeats one, which every consumer of
+//! the PR drops as already seen and counts as liveness); and a snapshot ROUTER per rank answers
+//! with the rank's table at a cut. Without the flag the edge is byte for byte today's.
+//!
 //! Ports follow the engines' rule (docs/engine-wire.md §2.2): rank r binds PORT + r.
 
 mod config;
 mod metrics;
 mod replay;
+mod snapshot;
 pub mod wire;
 
 pub use config::{PublishZmqConfig, TcpEndpoint, DEFAULT_PUB_HWM, MAX_PUB_HWM};
@@ -31,6 +41,7 @@ use metrics::ClearCause;
 pub(crate) use metrics::ZmqMetrics;
 
 pub use replay::{MAX_ACTIVE, MAX_QUEUED, MAX_SNAPSHOTS, REPLY_BYTES_IN_FLIGHT};
+pub use snapshot::{EVENTS_PER_CHUNK, MAX_REPLY_BYTES};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -56,6 +67,7 @@ pub struct PublishZmqError {
 }
 
 /// What one rank's edge reads.
+#[derive(Clone)]
 pub struct RankSource {
     /// Engine DP rank (sets the port offset and the batch's rank).
     pub rank: u32,
@@ -65,16 +77,92 @@ pub struct RankSource {
     pub table: Option<Arc<RingTable>>,
 }
 
+/// One rank's bound sockets.
+struct RankSockets {
+    publish: zmq::Socket,
+    replay: Option<zmq::Socket>,
+    snapshot: Option<zmq::Socket>,
+}
+
+impl RankSockets {
+    /// Binds rank `r`'s sockets: the PUB on `ctx`, the ROUTERs on `replay_ctx` (replies go out
+    /// on an I/O thread of their own, never in front of the live PUB's messages).
+    fn bind(
+        cfg: &PublishZmqConfig,
+        ctx: &zmq::Context,
+        replay_ctx: &zmq::Context,
+        r: &RankSource,
+    ) -> Result<(RankSockets, Bound), PublishZmqError> {
+        let (publish, pub_at) = bind(
+            ctx,
+            zmq::PUB,
+            "--publish-zmq",
+            &cfg.publish.for_rank(r.rank),
+            |s| s.set_sndhwm(cfg.hwm as i32),
+        )?;
+        let replay = match &cfg.replay {
+            Some(e) => Some(bind(
+                replay_ctx,
+                zmq::ROUTER,
+                "--publish-zmq-replay",
+                &e.for_rank(r.rank),
+                |s| replay::configure(s, r.hub.as_ref()),
+            )?),
+            None => None,
+        };
+        let snapshot = match &cfg.snapshot {
+            Some(e) => Some(bind(
+                replay_ctx,
+                zmq::ROUTER,
+                "--publish-zmq-snapshot",
+                &e.for_rank(r.rank),
+                snapshot::configure,
+            )?),
+            None => None,
+        };
+        let bound = Bound {
+            rank: r.rank,
+            publish: pub_at,
+            replay: replay.as_ref().map(|(_, a)| a.clone()),
+            snapshot: snapshot.as_ref().map(|(_, a)| a.clone()),
+        };
+        let socks = RankSockets {
+            publish,
+            replay: replay.map(|(s, _)| s),
+            snapshot: snapshot.map(|(s, _)| s),
+        };
+        Ok((socks, bound))
+    }
+}
+
 /// The running edge: its threads and their stop flag.
 pub struct ZmqPublisher {
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
-    /// What each rank bound: (rank, PUB endpoint, replay endpoint).
-    pub bound: Vec<(u32, String, Option<String>)>,
+    /// What each rank bound.
+    pub bound: Vec<Bound>,
+}
+
+/// What one rank's edge bound (as the sockets report it: port 0 resolved).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bound {
+    /// Engine DP rank.
+    pub rank: u32,
+    /// The PUB.
+    pub publish: String,
+    /// The replay ROUTER, if served.
+    pub replay: Option<String>,
+    /// The snapshot ROUTER, if served.
+    pub snapshot: Option<String>,
 }
 
 /// How long a publisher thread sleeps on the ring's futex before it looks at its stop flag.
 const WAIT: Duration = Duration::from_millis(200);
+
+/// With `--publish-zmq-snapshot`: how long a rank may publish nothing before it sends a
+/// heartbeat (vLLM #57789 sends one after a second idle; its consumers call a publisher stale
+/// after 5 s of silence).
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// Creates a socket, applies `setup` and binds it. Options must be set before `bind`: libzmq
 /// gives the connections a listener accepts the options the socket had when it was bound.
@@ -150,8 +238,7 @@ impl ZmqPublisher {
         metrics: &Metrics,
     ) -> Result<ZmqPublisher, PublishZmqError> {
         let ctx = zmq::Context::new();
-        // Replies go out on an I/O thread of their own: a replay streaming a whole block table
-        // does not queue in front of the live PUB's messages.
+        // Replies go out on an I/O thread of their own (see `RankSockets::bind`).
         let replay_ctx = zmq::Context::new();
         let zm = ZmqMetrics::new(metrics);
         let topic = cfg
@@ -162,66 +249,47 @@ impl ZmqPublisher {
         let mut sockets = Vec::new();
         let mut bound = Vec::new();
         for r in &ranks {
-            let (pub_sock, pub_at) = bind(
-                &ctx,
-                zmq::PUB,
-                "--publish-zmq",
-                &cfg.publish.for_rank(r.rank),
-                |s| s.set_sndhwm(cfg.hwm as i32),
-            )?;
-            let router = match &cfg.replay {
-                Some(e) => {
-                    let (s, at) = bind(
-                        &replay_ctx,
-                        zmq::ROUTER,
-                        "--publish-zmq-replay",
-                        &e.for_rank(r.rank),
-                        |s| replay::configure(s, r.hub.as_ref()),
-                    )?;
-                    Some((s, at))
-                }
-                None => None,
-            };
-            tracing::info!(rank = r.rank, publish = %pub_at,
-                replay = %router.as_ref().map_or("off", |(_, a)| a.as_str()),
+            let (socks, b) = RankSockets::bind(cfg, &ctx, &replay_ctx, r)?;
+            tracing::info!(rank = r.rank, publish = %b.publish,
+                replay = %b.replay.as_deref().unwrap_or("off"),
+                snapshot = %b.snapshot.as_deref().unwrap_or("off"),
                 ring = r.hub.label(), layout = ?cfg.layout, topic = %topic,
                 "publishing on the engine ZMQ wire");
-            zm.init_rank(r.rank, router.is_some());
-            bound.push((r.rank, pub_at, router.as_ref().map(|(_, a)| a.clone())));
-            sockets.push((pub_sock, router));
+            zm.init_rank(r.rank, b.replay.is_some(), b.snapshot.is_some());
+            bound.push(b);
+            sockets.push(socks);
         }
         let mut threads = Vec::new();
-        for (r, (pub_sock, router)) in ranks.into_iter().zip(sockets) {
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .expect("spawn a ZMQ edge thread")
+        };
+        for (r, socks) in ranks.into_iter().zip(sockets) {
             let p = Publisher {
                 rank: r.rank,
                 hub: r.hub.clone(),
-                sock: pub_sock,
+                sock: socks.publish,
                 topic: topic.clone().into_bytes(),
                 layout: cfg.layout,
                 metrics: zm.clone(),
                 stop: stop.clone(),
+                stream_id: socks.snapshot.is_some(),
             };
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("zmq-pub-{}", r.rank))
-                    .spawn(move || p.run())
-                    .expect("spawn the ZMQ publisher thread"),
-            );
-            if let Some((sock, _)) = router {
-                let s = replay::Server::new(
-                    r,
-                    sock,
-                    topic.clone().into_bytes(),
-                    cfg.layout,
-                    zm.clone(),
-                    stop.clone(),
-                );
-                threads.push(
-                    std::thread::Builder::new()
-                        .name("zmq-replay".into())
-                        .spawn(move || s.run())
-                        .expect("spawn the ZMQ replay thread"),
-                );
+            threads.push(spawn(
+                format!("zmq-pub-{}", r.rank),
+                Box::new(move || p.run()),
+            ));
+            if let Some(sock) = socks.snapshot {
+                let s =
+                    snapshot::Server::new(r.clone(), sock, cfg.layout, zm.clone(), stop.clone());
+                threads.push(spawn("zmq-snapshot".into(), Box::new(move || s.run())));
+            }
+            if let Some(sock) = socks.replay {
+                let t = topic.clone().into_bytes();
+                let s = replay::Server::new(r, sock, t, cfg.layout, zm.clone(), stop.clone());
+                threads.push(spawn("zmq-replay".into(), Box::new(move || s.run())));
             }
         }
         Ok(ZmqPublisher {
@@ -281,6 +349,8 @@ struct Publisher {
     layout: WireLayout,
     metrics: ZmqMetrics,
     stop: Arc<AtomicBool>,
+    /// vLLM #57789's wire: 24-byte seq frames with the ring's identity, and heartbeats.
+    stream_id: bool,
 }
 
 impl Publisher {
@@ -300,10 +370,18 @@ impl Publisher {
         let _ = reader.seek(next);
         let mut record = Vec::new();
         let mut payload = Vec::new();
+        let mut id = Identity {
+            bytes: reader.identity(),
+            last: next - 1,
+            sent_at: std::time::Instant::now(),
+        };
         while !self.stop.load(Ordering::Relaxed) && self.hub.failure().is_none() {
+            if self.stream_id && id.sent_at.elapsed() >= HEARTBEAT {
+                self.heartbeat(&mut id, &mut payload);
+            }
             if reader.position() != next {
                 if let Err(SeekError::TooOld { oldest, .. }) = reader.seek(next) {
-                    self.clear(oldest - 1, ClearCause::RingLapped, &mut payload);
+                    self.clear(oldest - 1, ClearCause::RingLapped, &mut payload, &mut id);
                     next = oldest;
                     continue;
                 }
@@ -317,23 +395,26 @@ impl Publisher {
                     seq
                 }
                 ReadOutcome::Lapped { resume_at, .. } => {
-                    self.clear(resume_at - 1, ClearCause::RingLapped, &mut payload);
+                    self.clear(resume_at - 1, ClearCause::RingLapped, &mut payload, &mut id);
                     next = resume_at;
                     continue;
                 }
                 ReadOutcome::Corrupt { seq, resume_at } => {
                     self.hub.note_corrupt(seq);
-                    self.clear(seq, ClearCause::Corrupt, &mut payload);
+                    self.clear(seq, ClearCause::Corrupt, &mut payload, &mut id);
                     next = resume_at;
                     continue;
                 }
                 ReadOutcome::Empty | ReadOutcome::WriterGone => continue,
                 ReadOutcome::RingReset { .. } => {
+                    // A new ring: a new identity, its numbering from its own start.
+                    id.bytes = reader.identity();
                     next = reader.position();
                     self.clear(
                         next.saturating_sub(1),
                         ClearCause::RingReplaced,
                         &mut payload,
+                        &mut id,
                     );
                     continue;
                 }
@@ -348,14 +429,14 @@ impl Publisher {
                     .with_label_values(&[&rank, ClearCause::Undecodable.label()])
                     .inc();
             }
-            self.send(seq, &payload);
+            self.send(seq, &payload, &mut id);
             published.inc();
             bytes.inc_by(payload.len() as u64);
         }
     }
 
     /// Publishes an `AllBlocksCleared` numbered `seq` for records this reader could not read.
-    fn clear(&self, seq: u64, cause: ClearCause, payload: &mut Vec<u8>) {
+    fn clear(&self, seq: u64, cause: ClearCause, payload: &mut Vec<u8>, id: &mut Identity) {
         let cause = cause.label();
         tracing::warn!(rank = self.rank, seq, cause,
             "ring records were never published on the ZMQ wire: publishing an AllBlocksCleared in their place");
@@ -369,14 +450,48 @@ impl Publisher {
             self.layout,
             payload,
         );
-        self.send(seq, payload);
+        self.send(seq, payload, id);
     }
 
-    fn send(&self, seq: u64, payload: &[u8]) {
-        let frames: [&[u8]; 3] = [&self.topic, &seq_frame(seq), payload];
+    /// An empty batch numbered as the last message sent (see the module docs).
+    fn heartbeat(&self, id: &mut Identity, payload: &mut Vec<u8>) {
+        let empty = KvEventBatch {
+            timestamp: crate::clock::unix_seconds(),
+            ..Default::default()
+        };
+        wire::encode_batch(&empty, i64::from(self.rank), self.layout, payload);
+        self.send(id.last, payload, id);
+        self.metrics
+            .heartbeats
+            .with_label_values(&[&self.rank.to_string()])
+            .inc();
+    }
+
+    fn send(&self, seq: u64, payload: &[u8], id: &mut Identity) {
+        let mut frame = [0u8; 24];
+        frame[..8].copy_from_slice(&seq_frame(seq));
+        frame[8..].copy_from_slice(&id.bytes);
+        let seq_bytes = if self.stream_id {
+            &frame[..]
+        } else {
+            &frame[..8]
+        };
+        let frames: [&[u8]; 3] = [&self.topic, seq_bytes, payload];
         // A PUB never blocks; an error here is a closed context at shutdown.
         if let Err(e) = self.sock.send_multipart(frames, 0) {
             tracing::debug!(rank = self.rank, error = %e, "ZMQ publish failed");
         }
+        id.last = seq;
+        id.sent_at = std::time::Instant::now();
     }
+}
+
+/// What the live publisher's messages say of the stream on vLLM #57789's wire.
+struct Identity {
+    /// The ring's identity, the seq frame's last 16 bytes.
+    bytes: [u8; 16],
+    /// The seq of the last message sent (a heartbeat repeats it).
+    last: u64,
+    /// When the last message was sent.
+    sent_at: std::time::Instant,
 }

@@ -103,7 +103,7 @@ pub fn encode_batch(
     let count = events
         .iter()
         .map(|d| match d {
-            Data::Stored(s) => size_runs(s).count().max(1),
+            Data::Stored(s) => wire_events(s),
             _ => 1,
         })
         .sum();
@@ -130,6 +130,12 @@ pub fn encode_batch(
     }
     sint(out, batch.dp_rank.map_or(rank, i64::from));
     count
+}
+
+/// How many engine-wire events store `s` is written as: one per run of blocks that share a
+/// `block_size`.
+pub fn wire_events(s: &KvBlocksStored) -> usize {
+    size_runs(s).count().max(1)
 }
 
 /// The runs of a store's blocks that share one `block_size`. The engine wire has one

@@ -282,7 +282,7 @@ struct Started {
     grpc_addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
     fanout: Arc<Fanout>,
-    publish_zmq: Vec<(u32, String, Option<String>)>,
+    publish_zmq: Vec<crate::publish_zmq::Bound>,
     fatal: watch::Receiver<Option<String>>,
 }
 
@@ -331,8 +331,8 @@ pub struct Service {
     pub fanout: Arc<Fanout>,
     /// The metrics registry.
     pub metrics: Arc<Metrics>,
-    /// What `--publish-zmq` bound: (rank, PUB endpoint, replay endpoint).
-    pub publish_zmq: Vec<(u32, String, Option<String>)>,
+    /// What `--publish-zmq` bound, per rank.
+    pub publish_zmq: Vec<crate::publish_zmq::Bound>,
     fatal: watch::Receiver<Option<String>>,
     parts: Parts,
     rings: RingSet,

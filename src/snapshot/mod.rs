@@ -59,6 +59,19 @@ pub use schedule::DEFAULT_CHECKPOINT_INTERVAL;
 pub use serve::{Chunks, CHUNK_MAX, CHUNK_MIN};
 pub use table::{Table, COPIES_CAP};
 
+/// A table's state at its cut, as events ([`RingTable::state`]).
+#[derive(Debug, Clone)]
+pub struct TableState {
+    /// The ring record the state includes, and every one before it.
+    pub cut: u64,
+    /// Non-zero: the table is incomplete (rebuilt from the ring alone, see the module docs).
+    pub unknown_before: u64,
+    /// Encoded `KvEventBatch` bodies holding only `events` (field 3): the first event is a
+    /// `cleared`, then the stores, parents first (every block after its parent, where the table
+    /// holds the parent), then one single-block store per further physical copy.
+    pub events: Vec<Vec<u8>>,
+}
+
 /// The checkpoint thread's state of one table.
 struct Checkpointing {
     schedule: Schedule,
@@ -317,6 +330,18 @@ impl RingTable {
             .with_label_values(&[&self.label])
             .inc_by(chunks.chunks.len() as u64);
         Some(chunks)
+    }
+
+    /// The table at its cut as a state to rebuild from nothing, for an edge that numbers and
+    /// frames it its own way (the engine wire's snapshot service): see [`TableState`].
+    pub fn state(&self) -> TableState {
+        let (img, _, _) = self.image();
+        let parsed = image::Image::parse(&img).expect("an image written in this process");
+        TableState {
+            cut: parsed.cut,
+            unknown_before: parsed.unknown,
+            events: serve::bodies(&parsed, self.chunk_bytes),
+        }
     }
 
     /// The checkpoint thread's turn (see `schedule.rs`): writes the checkpoint when one is due

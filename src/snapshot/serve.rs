@@ -219,10 +219,10 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Builds the chunks of `img` (taken at its cut N), stamped `ts`, carrying `dp_rank` when set,
-/// each at most `max` bytes. `None` when N < count (the numbers N − count + 1 … N would not
-/// all be ≥ 1).
-pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) -> Option<Chunks> {
+/// The events of `img`'s chunks, each at most `max` bytes: encoded `KvCacheEvent`s as
+/// `KvEventBatch.events` entries (field 3), the first one a `cleared`, then the stores parents
+/// first and the further copies.
+pub(crate) fn bodies(img: &Image<'_>, max: usize) -> Vec<Vec<u8>> {
     let order = parents_first(&img.blocks);
     let mut b = Builder::new(img, max.max(CHUNK_MIN));
     for &i in &order {
@@ -237,7 +237,14 @@ pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) 
             b.close_store();
         }
     }
-    let bodies = b.finish();
+    b.finish()
+}
+
+/// Builds the chunks of `img` (taken at its cut N), stamped `ts`, carrying `dp_rank` when set,
+/// each at most `max` bytes. `None` when N < count (the numbers N − count + 1 … N would not
+/// all be ≥ 1).
+pub(crate) fn build(img: &Image<'_>, ts: f64, dp_rank: Option<i32>, max: usize) -> Option<Chunks> {
+    let bodies = bodies(img, max);
     let count = bodies.len() as u64;
     let cut = img.cut;
     if cut < count {

@@ -84,4 +84,5 @@ mod source_sizes;
 mod zmq_publish_dynamo;
 mod zmq_publish_late_joiner;
 mod zmq_publish_slow_consumers;
+mod zmq_publish_snapshot;
 mod zmq_publish_wire;

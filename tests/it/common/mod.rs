@@ -264,6 +264,8 @@ pub struct Bridge {
     pub metrics: Option<SocketAddr>,
     /// `--publish-zmq`: each rank's bound (PUB, replay) endpoints, by rank (from the ready file).
     pub publish_zmq: Vec<(String, Option<String>)>,
+    /// `--publish-zmq-snapshot`: each rank's bound snapshot ROUTER, by rank.
+    pub publish_zmq_snapshot: Vec<Option<String>>,
     /// The `--ready-file` the harness gave it (or the caller did).
     pub ready_file: PathBuf,
 }
@@ -273,6 +275,7 @@ struct Ready {
     grpc: SocketAddr,
     metrics: Option<SocketAddr>,
     publish_zmq: Vec<(String, Option<String>)>,
+    publish_zmq_snapshot: Vec<Option<String>>,
 }
 
 impl Ready {
@@ -298,6 +301,12 @@ impl Ready {
                 .expect("publish_zmq in the ready file")
                 .iter()
                 .map(|r| (text_of(&r["publish"]).unwrap(), text_of(&r["replay"])))
+                .collect(),
+            publish_zmq_snapshot: v["publish_zmq"]
+                .as_array()
+                .expect("publish_zmq in the ready file")
+                .iter()
+                .map(|r| text_of(&r["snapshot"]))
                 .collect(),
         })
     }
@@ -416,6 +425,7 @@ impl Bridge {
             stderr_log,
             metrics: None,
             publish_zmq: Vec::new(),
+            publish_zmq_snapshot: Vec::new(),
             ready_file,
         };
         b.wait_ready()?;
@@ -425,8 +435,8 @@ impl Bridge {
     /// Waits for the bridge's ready file: it is written once every listener is bound and
     /// start-up (ring recovery and its warnings included) is done, with the addresses as bound.
     /// Those replace port 0 in `args`, so that a restart comes back on the same addresses (as a
-    /// real bridge behind a fixed worker URL does); `--publish-zmq` and `--publish-zmq-replay`
-    /// too when there is one rank (with several on port 0, each rank's port is its own).
+    /// real bridge behind a fixed worker URL does); `--publish-zmq`, `--publish-zmq-replay` and
+    /// `--publish-zmq-snapshot` too when there is one rank (with several on port 0, each rank's port is its own).
     fn wait_ready(&mut self) -> Result<(), String> {
         let pid = self.child.id();
         let (child, file, log) = (&mut self.child, &self.ready_file, &self.stderr_log);
@@ -456,7 +466,11 @@ impl Bridge {
                 set("--publish-zmq-replay", r.clone());
             }
         }
+        if let [Some(snapshot)] = ready.publish_zmq_snapshot.as_slice() {
+            set("--publish-zmq-snapshot", snapshot.clone());
+        }
         self.publish_zmq = ready.publish_zmq;
+        self.publish_zmq_snapshot = ready.publish_zmq_snapshot;
         Ok(())
     }
 
