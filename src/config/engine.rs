@@ -32,6 +32,11 @@ concern! {
         /// The engine's replay ROUTER for the rank in the same position (`--zmq` then `--zmq-bind`).
         #[arg(long, value_name = "ENDPOINT")]
         pub replay: Vec<String>,
+        /// The engine's snapshot ROUTER (vLLM #57789's `snapshot_endpoint`, unmerged) for the
+        /// rank in the same position: where the replay cannot fill (a late start past its
+        /// buffer, an engine restart while kvbridge was down), the rank's state comes from it.
+        #[arg(long, value_name = "ENDPOINT")]
+        pub engine_snapshot: Vec<String>,
         /// ZMQ topic. A non-empty topic is also compared exactly, up to the first NUL (SGLang
         /// #34407 appends its epoch after one).
         #[arg(long)]
@@ -99,13 +104,19 @@ impl EngineArgs {
                     )));
                 }
             }
-            let ranks = build_ranks(&self.zmq, &self.zmq_bind, &self.replay)?;
+            let ranks = build_ranks(
+                &self.zmq,
+                &self.zmq_bind,
+                &self.replay,
+                &self.engine_snapshot,
+            )?;
             return Ok((ranks, self.topic.unwrap_or_default(), Vec::new()));
         };
         let explicit: Vec<&str> = [
             (!self.zmq.is_empty(), "--zmq"),
             (!self.zmq_bind.is_empty(), "--zmq-bind"),
             (!self.replay.is_empty(), "--replay"),
+            (!self.engine_snapshot.is_empty(), "--engine-snapshot"),
             (self.topic.is_some(), "--topic"),
         ]
         .into_iter()
@@ -143,6 +154,7 @@ fn build_ranks(
     zmq: &[String],
     zmq_bind: &[String],
     replay: &[String],
+    snapshot: &[String],
 ) -> Result<Vec<RankEndpoint>, ConfigError> {
     if zmq.is_empty() && zmq_bind.is_empty() {
         return Err(invalid(
@@ -150,11 +162,13 @@ fn build_ranks(
         ));
     }
     let total = zmq.len() + zmq_bind.len();
-    if replay.len() > total {
-        return Err(invalid(format!(
-            "{} --replay endpoints for {total} ranks: give at most one per --zmq/--zmq-bind, in the same order",
-            replay.len()
-        )));
+    for (list, flag) in [(replay, "--replay"), (snapshot, "--engine-snapshot")] {
+        if list.len() > total {
+            return Err(invalid(format!(
+                "{} {flag} endpoints for {total} ranks: give at most one per --zmq/--zmq-bind, in the same order",
+                list.len()
+            )));
+        }
     }
     let mut ranks = Vec::with_capacity(total);
     for (i, (ep, bind)) in zmq
@@ -166,17 +180,18 @@ fn build_ranks(
         let flag = if bind { "--zmq-bind" } else { "--zmq" };
         let endpoint =
             validate_endpoint(ep, !bind).map_err(|e| invalid(format!("{flag} {ep:?}: {e}")))?;
-        let replay = match replay.get(i) {
-            Some(r) => Some(
-                validate_endpoint(r, true).map_err(|e| invalid(format!("--replay {r:?}: {e}")))?,
-            ),
-            None => None,
+        let connect = |list: &[String], flag: &str| match list.get(i) {
+            Some(r) => validate_endpoint(r, true)
+                .map(Some)
+                .map_err(|e| invalid(format!("{flag} {r:?}: {e}"))),
+            None => Ok(None),
         };
         ranks.push(RankEndpoint {
             rank: i as u32,
             endpoint,
             bind,
-            replay,
+            replay: connect(replay, "--replay")?,
+            snapshot: connect(snapshot, "--engine-snapshot")?,
         });
     }
     check_ranks(&ranks)?;
@@ -230,12 +245,14 @@ mod tests {
                     endpoint: "tcp://127.0.0.1:5557".into(),
                     bind: false,
                     replay: Some("tcp://127.0.0.1:5600".into()),
+                    snapshot: None,
                 },
                 RankEndpoint {
                     rank: 1,
                     endpoint: "tcp://127.0.0.1:5558".into(),
                     bind: false,
                     replay: Some("tcp://127.0.0.1:5601".into()),
+                    snapshot: None,
                 },
             ]
         );

@@ -50,11 +50,12 @@ impl fmt::Display for EngineFamily {
 
 /// Every key of the engines' `KVEventsConfig` (vLLM, SGLang, TokenSpeed); any other key is
 /// reported as ignored.
-const KNOWN_KEYS: [&str; 9] = [
+const KNOWN_KEYS: [&str; 10] = [
     "enable_kv_cache_events",
     "publisher",
     "endpoint",
     "replay_endpoint",
+    "snapshot_endpoint",
     "buffer_steps",
     "hwm",
     "max_queue_size",
@@ -72,6 +73,8 @@ struct EngineKvConfig {
     publisher: Option<String>,
     endpoint: String,
     replay_endpoint: Option<String>,
+    /// vLLM #57789 (unmerged): the snapshot ROUTER, port + rank like the others.
+    snapshot_endpoint: Option<String>,
     topic: String,
     bind: Option<bool>,
     ignored: Vec<String>,
@@ -154,6 +157,7 @@ fn parse(text: &str) -> Result<EngineKvConfig, String> {
         endpoint: string("endpoint")?.unwrap_or_else(|| DEFAULT_ENDPOINT.into()),
         // An empty replay endpoint is "none" to the engines as well.
         replay_endpoint: string("replay_endpoint")?.filter(|s| !s.is_empty()),
+        snapshot_endpoint: string("snapshot_endpoint")?.filter(|s| !s.is_empty()),
         topic: string("topic")?.unwrap_or_default(),
         bind: boolean("bind")?,
         ignored: ignored_keys(&map),
@@ -275,22 +279,22 @@ fn ranks_for(
             let bind = !engine_binds(family, &engine_ep, cfg.bind);
             let endpoint = validate_endpoint(&engine_ep, !bind)
                 .map_err(|e| format!("\"endpoint\": {engine_ep:?}: {e}"))?;
-            // The engine binds its replay ROUTER in every case; kvbridge connects.
-            let replay = match &cfg.replay_endpoint {
+            // The engine binds its replay and snapshot ROUTERs in every case; kvbridge connects.
+            let router = |key: &str, ep: &Option<String>| match ep {
                 Some(rep) => {
-                    let engine_rep = rank_endpoint("replay_endpoint", rep, r, dp_size)?;
-                    Some(
-                        validate_endpoint(&engine_rep, true)
-                            .map_err(|e| format!("\"replay_endpoint\": {engine_rep:?}: {e}"))?,
-                    )
+                    let engine_rep = rank_endpoint(key, rep, r, dp_size)?;
+                    validate_endpoint(&engine_rep, true)
+                        .map(Some)
+                        .map_err(|e| format!("\"{key}\": {engine_rep:?}: {e}"))
                 }
-                None => None,
+                None => Ok(None),
             };
             Ok(RankEndpoint {
                 rank: r,
                 endpoint,
                 bind,
-                replay,
+                replay: router("replay_endpoint", &cfg.replay_endpoint)?,
+                snapshot: router("snapshot_endpoint", &cfg.snapshot_endpoint)?,
             })
         })
         .collect()
@@ -451,6 +455,26 @@ mod tests {
             d.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
             [0, 1, 2]
         );
+    }
+
+    /// vLLM #57789's `snapshot_endpoint` (unmerged): port + rank like the replay endpoint.
+    #[test]
+    fn vllm_snapshot_endpoint_per_rank() {
+        let d = ok(
+            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
+                "replay_endpoint": "tcp://*:6557", "snapshot_endpoint": "tcp://*:7557"}"#,
+            2,
+            Some(EngineFamily::Vllm),
+        );
+        let snaps: Vec<_> = d.ranks.iter().map(|r| r.snapshot.clone()).collect();
+        assert_eq!(
+            snaps,
+            [
+                Some("tcp://127.0.0.1:7557".to_string()),
+                Some("tcp://127.0.0.1:7558".to_string())
+            ]
+        );
+        assert!(d.ignored_keys.is_empty(), "{:?}", d.ignored_keys);
     }
 
     /// vLLM connects to `0.0.0.0` and to concrete hosts: kvbridge binds there.

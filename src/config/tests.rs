@@ -280,6 +280,11 @@ fn rows(dir: &Path) -> Vec<Row> {
             r#"replay = ["tcp://127.0.0.1:6100"]"#,
             r#"replay = ["tcp://127.0.0.1:7100"]"#,
         ),
+        row(
+            "--engine-snapshot tcp://127.0.0.1:6200",
+            r#"engine-snapshot = ["tcp://127.0.0.1:6200"]"#,
+            r#"engine-snapshot = ["tcp://127.0.0.1:7200"]"#,
+        ),
         row("--topic kv", r#"topic = "kv""#, r#"topic = "other""#),
         row(
             "--replay-timeout-ms 500",

@@ -29,6 +29,9 @@ pub struct RankEndpoint {
     pub bind: bool,
     /// The engine's replay ROUTER for this rank, if any.
     pub replay: Option<String>,
+    /// The engine's snapshot ROUTER for this rank (vLLM #57789, unmerged), if any: used where
+    /// the replay cannot fill.
+    pub snapshot: Option<String>,
 }
 
 /// The validated ingest settings.

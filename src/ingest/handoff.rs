@@ -316,6 +316,15 @@ impl Handoff for RingHandoff {
             self.publish_clear(seq, ClearCause::EngineRestart);
         }
     }
+
+    fn restored(&mut self) {
+        // Exact again only when the snapshot's own clear is the one cause: a chunk that could
+        // not be decoded (or a cause from before) keeps the rank degraded, as without a snapshot.
+        if self.upstream.causes(self.rank) == Causes::of(Degraded::MissingHistory) {
+            self.groups_complete = true;
+            self.set_causes(Causes::EXACT);
+        }
+    }
 }
 
 impl RingHandoff {

@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::io::RankIo;
-use super::upstream::{ReplayEnd, ReplaySource};
-use super::wire::{self, Reply};
+use super::upstream::{EngineSnapshot, ReplayEnd, ReplaySource};
+use super::wire::{self, Epoch, Reply};
 
 impl RankIo {
     /// The replay client, when this rank has a replay endpoint.
@@ -45,22 +45,136 @@ impl<'a> ZmqReplay<'a> {
     }
 }
 
+/// What one wait for a reply brought.
+enum Wait {
+    /// The DEALER has a reply to read.
+    Ready,
+    /// Nothing yet (live batches may have been drained).
+    Pending,
+    /// The deadline passed.
+    TimedOut,
+    /// Shutdown was requested.
+    Aborted,
+}
+
+impl ZmqReplay<'_> {
+    /// Waits up to 100 ms (at most until `deadline`) for a reply on `dealer`, draining the live
+    /// SUB to `live` meanwhile so that the engine's PUB never drops.
+    fn wait(
+        &self,
+        dealer: &zmq::Socket,
+        deadline: Instant,
+        live: &mut dyn FnMut(u64, Vec<u8>),
+    ) -> Wait {
+        if self.io.stop.load(Ordering::Relaxed) {
+            return Wait::Aborted;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Wait::TimedOut;
+        }
+        let wait = (deadline - now).min(Duration::from_millis(100)).as_millis() as i64;
+        let mut items = [
+            dealer.as_poll_item(zmq::POLLIN),
+            self.io.sub.as_poll_item(zmq::POLLIN),
+        ];
+        if zmq::poll(&mut items, wait.max(1)).is_err() {
+            return Wait::Pending;
+        }
+        if items[1].is_readable() {
+            self.drain_live(live);
+        }
+        if items[0].is_readable() {
+            Wait::Ready
+        } else {
+            Wait::Pending
+        }
+    }
+
+    /// A fresh DEALER connected to `endpoint`, for one request.
+    fn dealer(&self, endpoint: &str) -> Result<zmq::Socket, zmq::Error> {
+        let d = self.io.ctx.socket(zmq::DEALER)?;
+        d.set_linger(0)?;
+        d.set_ipv6(true)?;
+        d.set_rcvhwm(0)?;
+        // An oversized reply closes this DEALER's connection: the request then times out.
+        d.set_maxmsgsize(self.io.max_message)?;
+        d.connect(endpoint)?;
+        Ok(d)
+    }
+}
+
+/// Reads a snapshot reply `["", cut (8, signed BE), uuid (16), chunk, …]` (vLLM #57789).
+fn snapshot_reply(frames: Vec<Vec<u8>>) -> EngineSnapshot {
+    let mut it = frames.into_iter();
+    let (Some(empty), Some(cut), Some(uuid)) = (it.next(), it.next(), it.next()) else {
+        return EngineSnapshot::Unavailable("malformed reply: fewer than 3 frames");
+    };
+    let (Ok(cut), Ok(uuid)) = (<[u8; 8]>::try_from(cut), <[u8; 16]>::try_from(uuid)) else {
+        return EngineSnapshot::Unavailable(
+            "malformed reply: not an 8-byte seq and a 16-byte uuid",
+        );
+    };
+    if !empty.is_empty() {
+        return EngineSnapshot::Unavailable("malformed reply: no empty delimiter");
+    }
+    match i64::from_be_bytes(cut) {
+        -1 => EngineSnapshot::Unavailable("the engine recorded nothing yet (-1)"),
+        c if c < 0 => EngineSnapshot::Unavailable("the engine's snapshot is unavailable (-2)"),
+        c => EngineSnapshot::State {
+            cut: c as u64,
+            epoch: Epoch(u128::from_be_bytes(uuid)),
+            chunks: it.collect(),
+        },
+    }
+}
+
 impl ReplaySource for ZmqReplay<'_> {
+    fn has_snapshot(&self) -> bool {
+        self.io.rank.snapshot.is_some()
+    }
+
+    fn snapshot(&mut self, live: &mut dyn FnMut(u64, Vec<u8>)) -> EngineSnapshot {
+        let Some(endpoint) = self.io.rank.snapshot.as_deref() else {
+            return EngineSnapshot::Unavailable("no snapshot endpoint");
+        };
+        let dealer = match self.dealer(endpoint) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(endpoint, error = %e, "cannot open snapshot DEALER");
+                return EngineSnapshot::Unavailable("cannot open a DEALER");
+            }
+        };
+        tracing::info!(endpoint, "requesting the engine's snapshot");
+        // A REQ's envelope: the engine echoes everything up to the empty frame.
+        if dealer
+            .send_multipart([&b""[..], &b"snapshot"[..]], 0)
+            .is_err()
+        {
+            return EngineSnapshot::Unavailable("request not sent");
+        }
+        let deadline = Instant::now() + self.io.replay_timeout;
+        loop {
+            match self.wait(&dealer, deadline, live) {
+                Wait::Ready => {
+                    if let Ok(frames) = dealer.recv_multipart(zmq::DONTWAIT) {
+                        return snapshot_reply(frames);
+                    }
+                }
+                Wait::Pending => {}
+                Wait::TimedOut => return EngineSnapshot::Unavailable("no reply in time"),
+                Wait::Aborted => return EngineSnapshot::Unavailable("shutting down"),
+            }
+        }
+    }
+
     fn replay(
         &mut self,
         from: u64,
         batch: &mut dyn FnMut(u64, &[u8]),
         live: &mut dyn FnMut(u64, Vec<u8>),
     ) -> ReplayEnd {
-        let dealer = match self.io.ctx.socket(zmq::DEALER).and_then(|d| {
-            d.set_linger(0)?;
-            d.set_ipv6(true)?;
-            d.set_rcvhwm(0)?;
-            // An oversized reply closes this DEALER's connection: the replay then times out.
-            d.set_maxmsgsize(self.io.max_message)?;
-            d.connect(self.endpoint)?;
-            Ok(d)
-        }) {
+        let dealer = match self.dealer(self.endpoint) {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(endpoint = self.endpoint, error = %e, "cannot open replay DEALER");
@@ -75,39 +189,24 @@ impl ReplaySource for ZmqReplay<'_> {
         }
         let mut deadline = Instant::now() + self.io.replay_timeout;
         loop {
-            if self.io.stop.load(Ordering::Relaxed) {
-                return ReplayEnd::Aborted;
+            match self.wait(&dealer, deadline, live) {
+                Wait::Ready => {}
+                Wait::Pending => continue,
+                Wait::TimedOut => return ReplayEnd::TimedOut,
+                Wait::Aborted => return ReplayEnd::Aborted,
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return ReplayEnd::TimedOut;
-            }
-            let wait = (deadline - now).min(Duration::from_millis(100)).as_millis() as i64;
-            let mut items = [
-                dealer.as_poll_item(zmq::POLLIN),
-                self.io.sub.as_poll_item(zmq::POLLIN),
-            ];
-            if zmq::poll(&mut items, wait.max(1)).is_err() {
-                continue;
-            }
-            let (rep_ready, live_ready) = (items[0].is_readable(), items[1].is_readable());
-            if live_ready {
-                self.drain_live(live);
-            }
-            if rep_ready {
-                while let Ok(frames) = dealer.recv_multipart(zmq::DONTWAIT) {
-                    let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
-                    match wire::replay_reply(&refs) {
-                        Ok(Reply::End) => return ReplayEnd::Complete,
-                        Ok(Reply::Batch(s, p)) => batch(s, p),
-                        Err(why) => {
-                            self.io.m.frame_dropped("replay_malformed");
-                            tracing::warn!(endpoint = self.endpoint, why, "malformed replay reply");
-                            return ReplayEnd::Malformed;
-                        }
+            while let Ok(frames) = dealer.recv_multipart(zmq::DONTWAIT) {
+                let refs: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+                match wire::replay_reply(&refs) {
+                    Ok(Reply::End) => return ReplayEnd::Complete,
+                    Ok(Reply::Batch(s, p)) => batch(s, p),
+                    Err(why) => {
+                        self.io.m.frame_dropped("replay_malformed");
+                        tracing::warn!(endpoint = self.endpoint, why, "malformed replay reply");
+                        return ReplayEnd::Malformed;
                     }
-                    deadline = Instant::now() + self.io.replay_timeout;
                 }
+                deadline = Instant::now() + self.io.replay_timeout;
             }
         }
     }

@@ -101,7 +101,7 @@ pub enum ReplayEnd {
 }
 
 /// Every `outcome` of `kvbridge_replays_total` (exported at 0 from the start).
-pub const REPLAY_OUTCOMES: [&str; 9] = [
+pub const REPLAY_OUTCOMES: [&str; 11] = [
     "requested",
     "succeeded",
     "history_missing",
@@ -111,6 +111,8 @@ pub const REPLAY_OUTCOMES: [&str; 9] = [
     "gave_up",
     "live_overflow",
     "other_incarnation",
+    "snapshot",
+    "snapshot_unavailable",
 ];
 
 /// Ingest's hand-off to the rings: what the state machine decided to apply, and the in-band
@@ -126,6 +128,26 @@ pub trait Handoff {
     /// Publishes whatever is held: called when the state machine has handled a message (or a
     /// catch-up), before it waits for the next one.
     fn settle(&mut self) {}
+    /// The engine's snapshot was applied after a clear: what follows the clear is the engine's
+    /// whole state again, so the rank is exact.
+    fn restored(&mut self) {}
+}
+
+/// What the engine's snapshot service (vLLM #57789, docs/engine-wire.md §13) answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineSnapshot {
+    /// The state at engine seq `cut` of publisher `epoch`: `chunks` (engine batches of stores
+    /// and removals) build it from nothing, in order; live batches continue at `cut` + 1.
+    State {
+        /// The last engine seq the state includes.
+        cut: u64,
+        /// The publisher's UUID.
+        epoch: Epoch,
+        /// The chunks, in order.
+        chunks: Vec<Vec<u8>>,
+    },
+    /// No state: `-1` (nothing recorded) or `-2` (unavailable), no reply, or a malformed one.
+    Unavailable(&'static str),
 }
 
 /// The engine's replay service (a DEALER to its ROUTER).
@@ -138,6 +160,17 @@ pub trait ReplaySource {
         batch: &mut dyn FnMut(u64, &[u8]),
         live: &mut dyn FnMut(u64, Vec<u8>),
     ) -> ReplayEnd;
+
+    /// Whether the engine names a snapshot service.
+    fn has_snapshot(&self) -> bool {
+        false
+    }
+
+    /// Asks the engine's snapshot service for the rank's state; live batches that arrive
+    /// meanwhile go to `live`.
+    fn snapshot(&mut self, _live: &mut dyn FnMut(u64, Vec<u8>)) -> EngineSnapshot {
+        EngineSnapshot::Unavailable("no snapshot endpoint")
+    }
 }
 
 /// Limits of the state machine.
@@ -197,6 +230,9 @@ pub struct RankState {
     /// The message being handled names the epoch of the incarnation `last` came from: that, not
     /// its bytes, makes a seq at or below `last` a copy.
     same_epoch: bool,
+    /// The fill under way may take the engine's snapshot where its replay cannot fill (the
+    /// engine has a snapshot service, and it has not answered without a state in this fill).
+    snapshot_ok: bool,
 }
 
 impl RankState {
@@ -211,6 +247,7 @@ impl RankState {
             verified: true,
             epoch: None,
             same_epoch: false,
+            snapshot_ok: false,
         };
         match resume {
             Resume::New => {}

@@ -44,6 +44,7 @@ mod decode_vectors;
 mod deploy;
 mod engine_incarnation;
 mod engine_next_wire;
+mod engine_snapshot_bootstrap;
 mod fanout_flow_control;
 mod fanout_shape;
 mod freshness;

@@ -16,10 +16,9 @@ use crate::common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::zmq_publish::vllm_decode;
+use common::zmq_publish::{apply_payloads, payload_events, vllm_decode};
 use common::{Bridge, Engine};
 use kvbridge_tools::sim::{Layout, SimEvent};
-use serde_json::Value;
 
 /// How long a consumer waits for the first live message, and for a snapshot reply.
 const BOOTSTRAP_WAIT: Duration = Duration::from_secs(10);
@@ -46,11 +45,6 @@ struct Consumer {
 
 /// One live message: identity, seq, payload.
 type Live = ([u8; 16], u64, Vec<u8>);
-
-fn events(payload: &[u8]) -> Vec<Value> {
-    let v: Value = rmp_serde::from_slice(payload).expect("a msgpack EventBatch");
-    v[1].as_array().expect("[ts, events, rank]").clone()
-}
 
 impl Consumer {
     fn new(live: &str, snapshot: &str) -> Consumer {
@@ -81,7 +75,7 @@ impl Consumer {
         }
         let id: [u8; 16] = f[1][8..].try_into().unwrap();
         let seq = u64::from_be_bytes(f[1][..8].try_into().unwrap());
-        if events(&f[2]).is_empty() {
+        if payload_events(&f[2]).is_empty() {
             self.heartbeats += 1;
         }
         self.seen.push(f[2].clone());
@@ -129,7 +123,7 @@ impl Consumer {
         }
         self.program.clear();
         for chunk in &reply[2..] {
-            let ev = events(chunk);
+            let ev = payload_events(chunk);
             self.chunk_events = self.chunk_events.max(ev.len());
             for e in ev {
                 self.chunk_tags
@@ -170,7 +164,7 @@ impl Consumer {
             }
             match self.read(left.min(Duration::from_millis(50))) {
                 Ok(Some((id, seq, payload))) => {
-                    if Some(id) == self.id && events(&payload).is_empty() {
+                    if Some(id) == self.id && payload_events(&payload).is_empty() {
                         // kvbridge's heartbeat repeats the last seq (module docs of
                         // src/publish_zmq): dropped as seen, whatever the consumer.
                         assert_eq!(seq + 1, self.next, "a heartbeat repeats the last seq");
@@ -194,32 +188,7 @@ impl Consumer {
 
     /// The blocks the consumer's index holds, and the clears it applied since its bootstrap.
     fn held(&self) -> (BTreeSet<u64>, usize) {
-        let (mut held, mut clears) = (BTreeSet::new(), 0);
-        for p in &self.program {
-            for e in events(p) {
-                let hashes = || {
-                    e["block_hashes"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|h| h.as_u64().unwrap())
-                        .collect::<Vec<_>>()
-                };
-                match e["type"].as_str().unwrap() {
-                    "BlockStored" => held.extend(hashes()),
-                    "BlockRemoved" => {
-                        for h in hashes() {
-                            held.remove(&h);
-                        }
-                    }
-                    _ => {
-                        held.clear();
-                        clears += 1;
-                    }
-                }
-            }
-        }
-        (held, clears)
+        apply_payloads(self.program.iter().map(Vec::as_slice))
     }
 
     /// Follows until the index holds `want` (or a minute passed), then returns what it holds.

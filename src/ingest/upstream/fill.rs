@@ -4,7 +4,8 @@
 
 use std::collections::VecDeque;
 
-use super::{digest, Fill, Handoff, Pos, RankState, ReplayEnd, ReplaySource};
+use super::{digest, EngineSnapshot, Fill, Handoff, Pos, RankState, ReplayEnd, ReplaySource};
+use crate::ingest::wire::Epoch;
 use crate::ring::ClearCause;
 
 /// What one replay request brought.
@@ -15,6 +16,9 @@ struct Tally {
     received: u64,
     /// One contradicted what was applied at its seq: a new incarnation.
     other_incarnation: bool,
+    /// The engine no longer has what was asked for, and its snapshot is to be taken instead:
+    /// the rest of the replay is not applied.
+    missing: bool,
 }
 
 /// What follows a replay that did not meet a new incarnation.
@@ -42,6 +46,7 @@ impl RankState {
             return;
         };
         self.proven_by_replay = false;
+        self.snapshot_ok = source.has_snapshot();
         let mut overflow = false;
         let mut want = from;
         let mut attempt = 0;
@@ -50,6 +55,29 @@ impl RankState {
             self.m.replay("requested");
             let (end, tally) =
                 self.replay_once(&mut **source, want, &mut live, &mut overflow, handoff);
+            if tally.missing {
+                let limit = self.limits.live_buffer;
+                let answer = source
+                    .snapshot(&mut |ls, lp| queue_live(&mut live, &mut overflow, limit, ls, lp));
+                match answer {
+                    EngineSnapshot::State { cut, epoch, chunks } => {
+                        self.restore(cut, epoch, &chunks, handoff);
+                        // What the engine published after its cut, from its replay buffer.
+                        want = cut + 1;
+                        attempt = 0;
+                    }
+                    EngineSnapshot::Unavailable(why) => {
+                        tracing::warn!(
+                            why,
+                            "the engine's snapshot gave no state: the history is missing"
+                        );
+                        self.m.replay("snapshot_unavailable");
+                        self.snapshot_ok = false;
+                        attempt -= 1;
+                    }
+                }
+                continue;
+            }
             let nothing_at_last = end == ReplayEnd::Complete
                 && tally.received == 0
                 && matches!(self.pos, Pos::Last(l) if l == want);
@@ -86,18 +114,13 @@ impl RankState {
             first: true,
             received: 0,
             other_incarnation: false,
+            missing: false,
         };
         let limit = self.limits.live_buffer;
         let end = source.replay(
             want,
             &mut |rs, rp| self.on_replayed(rs, rp, want, &mut tally, handoff),
-            &mut |ls, lp| {
-                if live.len() >= limit {
-                    *overflow = true;
-                } else {
-                    live.push_back((ls, lp));
-                }
-            },
+            &mut |ls, lp| queue_live(live, overflow, limit, ls, lp),
         );
         (end, tally)
     }
@@ -114,8 +137,9 @@ impl RankState {
         tally: &mut Tally,
         handoff: &mut dyn Handoff,
     ) {
-        if tally.other_incarnation {
-            // The rest of a new incarnation's answer: asked again from 0 by the caller.
+        if tally.other_incarnation || tally.missing {
+            // The rest of a new incarnation's answer (asked again from 0 by the caller), or of
+            // one the engine's snapshot replaces.
             return;
         }
         tally.received += 1;
@@ -144,6 +168,11 @@ impl RankState {
             Pos::Unknown => rs,
             _ => want,
         };
+        if rs > expected && self.snapshot_ok {
+            // The engine's snapshot stands in for the history its buffer no longer holds.
+            tally.missing = true;
+            return;
+        }
         if rs > expected {
             // The engine no longer has (or never had: burned seqs) what we
             // asked for; or it no longer has `last`, which then cannot be
@@ -205,6 +234,25 @@ impl RankState {
         }
     }
 
+    /// Applies the engine's snapshot as a replacement state: an in-band clear (consumers drop
+    /// what they hold), its chunks as batches numbered `cut`, then the rank is exact again and
+    /// the state machine stands at `cut`, proven the incarnation of `epoch` (live batches queued
+    /// at or below `cut` are copies).
+    fn restore(&mut self, cut: u64, epoch: Epoch, chunks: &[Vec<u8>], handoff: &mut dyn Handoff) {
+        self.m.replay("snapshot");
+        self.clear(handoff, cut, ClearCause::MissingHistory);
+        for c in chunks {
+            handoff.apply(cut, digest(c), c);
+        }
+        handoff.restored();
+        self.pos = Pos::Last(cut);
+        self.applied.clear();
+        self.verified = true;
+        self.proven_by_replay = true;
+        self.epoch = Some(epoch);
+        self.m.last_seq.set(cut as i64);
+    }
+
     /// After a fill: live batches beyond the buffer fail it in band (the buffered ones are
     /// dropped with them); else the buffered ones are handled in order.
     fn drain_live(
@@ -226,5 +274,21 @@ impl RankState {
             self.step(s, &p, handoff, None, false);
         }
         self.proven_by_replay = false;
+    }
+}
+
+/// Queues live batch `ls` (bytes `lp`) that arrived during a replay or snapshot, up to `limit`
+/// (past it: `overflow`).
+fn queue_live(
+    live: &mut VecDeque<(u64, Vec<u8>)>,
+    overflow: &mut bool,
+    limit: usize,
+    ls: u64,
+    lp: Vec<u8>,
+) {
+    if live.len() >= limit {
+        *overflow = true;
+    } else {
+        live.push_back((ls, lp));
     }
 }

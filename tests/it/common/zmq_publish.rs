@@ -117,6 +117,44 @@ pub fn endpoints(b: &Bridge, ranks: usize) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The events of an engine-wire payload `[ts, events, rank]`, decoded as plain msgpack.
+pub fn payload_events(payload: &[u8]) -> Vec<Value> {
+    let v: Value = rmp_serde::from_slice(payload).expect("a msgpack EventBatch");
+    v[1].as_array().expect("[ts, events, rank]").clone()
+}
+
+/// The blocks a consumer holds after applying `payloads` in order, and the clears among them.
+pub fn apply_payloads<'a>(
+    payloads: impl IntoIterator<Item = &'a [u8]>,
+) -> (std::collections::BTreeSet<u64>, usize) {
+    let (mut held, mut clears) = (std::collections::BTreeSet::new(), 0);
+    for p in payloads {
+        for e in payload_events(p) {
+            let hashes = || {
+                e["block_hashes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|h| h.as_u64().unwrap())
+                    .collect::<Vec<_>>()
+            };
+            match e["type"].as_str().unwrap() {
+                "BlockStored" => held.extend(hashes()),
+                "BlockRemoved" => {
+                    for h in hashes() {
+                        held.remove(&h);
+                    }
+                }
+                _ => {
+                    held.clear();
+                    clears += 1;
+                }
+            }
+        }
+    }
+    (held, clears)
+}
+
 /// vLLM's own decoding of each payload (tests/zmq_publish/vllm_decode.py).
 pub fn vllm_decode(payloads: &[&[u8]]) -> Vec<Value> {
     let src = super::setup_script(

@@ -31,6 +31,15 @@ pub struct EnginePublisher {
     /// The publisher identity of the engines' next wire on every live message (`None`: today's
     /// wire). Replay replies keep 8-byte seqs and the bare topic, as in both branches.
     pub identity: Option<Identity>,
+    ctx: zmq::Context,
+    /// vLLM #57789's snapshot ROUTER, once opened ([`serve_snapshots_at`](Self::serve_snapshots_at)).
+    snapshot: Option<zmq::Socket>,
+    /// Every batch of this incarnation, while the snapshot service is open: its answer is this
+    /// history, a replay program of stores and removals as the PR's recorder sends.
+    history: Vec<Vec<u8>>,
+    /// Answer snapshot requests `-2` (unavailable), as the PR's recorder does once a budget
+    /// turned it off.
+    pub snapshot_unavailable: bool,
 }
 
 /// A publisher identity as the engines' next wire carries it (both unmerged; kvbridge's
@@ -117,6 +126,10 @@ impl EnginePublisher {
             subscriptions: 0,
             new_reply_form: true,
             identity: None,
+            ctx: ctx.clone(),
+            snapshot: None,
+            history: Vec::new(),
+            snapshot_unavailable: false,
         })
     }
 
@@ -205,6 +218,9 @@ impl EnginePublisher {
                 .publisher
                 .send_multipart([&topic[..], &s[..], &payload[..]], 0);
         }
+        if self.snapshot.is_some() {
+            self.history.push(payload.clone());
+        }
         if self.router.is_some() {
             self.buffer.push_back((seq, payload));
             while self.buffer.len() > self.buffer_steps {
@@ -218,11 +234,53 @@ impl EnginePublisher {
     pub fn restart(&mut self) {
         self.seq = 0;
         self.buffer.clear();
+        self.history.clear();
+    }
+
+    /// Binds vLLM #57789's snapshot ROUTER at `endpoint` (unmerged; kvbridge's
+    /// docs/engine-wire.md §13) and returns where it is bound. From now on this incarnation's
+    /// batches are kept, and a request is answered `[cut, uuid, batch, …]` with all of them.
+    pub fn serve_snapshots_at(&mut self, endpoint: &str) -> Result<String, zmq::Error> {
+        let s = self.ctx.socket(zmq::ROUTER)?;
+        s.set_linger(0)?;
+        s.bind(endpoint)?;
+        let at = s.get_last_endpoint()?.unwrap_or_default();
+        self.snapshot = Some(s);
+        Ok(at)
+    }
+
+    /// Answers every pending snapshot request (as the PR's recorder does, echoing the envelope
+    /// up to its empty frame, else the identity alone).
+    fn serve_snapshots(&mut self) {
+        let Some(router) = &self.snapshot else { return };
+        while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
+            let end = frames
+                .iter()
+                .position(|f| f.is_empty())
+                .map_or(1, |i| i + 1);
+            let mut reply: Vec<Vec<u8>> = frames[..end.min(frames.len())].to_vec();
+            let uuid = match &self.identity {
+                Some(Identity::VllmUuid(u)) => u.to_vec(),
+                _ => vec![0; 16],
+            };
+            let cut = if self.snapshot_unavailable {
+                -2
+            } else {
+                self.seq as i64 - 1
+            };
+            reply.push(cut.to_be_bytes().to_vec());
+            reply.push(uuid);
+            if !self.snapshot_unavailable {
+                reply.extend(self.history.iter().cloned());
+            }
+            let _ = router.send_multipart(reply, 0);
+        }
     }
 
     /// Answers every pending replay request (the engine does this on its publisher thread).
     /// Returns the number of requests answered.
     pub fn serve_replay(&mut self) -> usize {
+        self.serve_snapshots();
         let Some(router) = &self.router else { return 0 };
         let mut answered = 0;
         while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
