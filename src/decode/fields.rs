@@ -385,6 +385,7 @@ fn read_opt_hash(c: &mut Cur<'_>, out: &mut Option<i64>) -> FR<()> {
 #[inline]
 fn read_hash_after(c: &mut Cur<'_>, m: Marker, at: usize) -> FR<i64> {
     if let Some(i) = c.int_of(m)? {
+        c.signed_hash |= matches!(i, Int::I(v) if v < 0);
         return Ok(Ok(i.bits() as i64));
     }
     match c.bin_of(m, at)? {

@@ -234,6 +234,9 @@ pub struct BatchPlan {
     /// filtered): removals the downstream index will miss. Non-zero means the caller SHOULD
     /// treat the batch like an unfillable gap (engine-wire §8).
     pub lost_removals: usize,
+    /// A block hash of this batch was a negative msgpack int: the engine's hashes are signed
+    /// int64 (SGLang), which the engine-wire re-publish writes back in that form.
+    pub signed_hashes: bool,
 }
 
 /// The decoder (one per ingest rank; keeps reusable scratch, the per-group kind memory of the

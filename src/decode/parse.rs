@@ -171,6 +171,7 @@ impl Decoder {
             ts,
             rank: head.rank,
             lost_removals: self.lost_removals,
+            signed_hashes: c.signed_hash,
         })
     }
 

@@ -47,12 +47,18 @@ impl Int {
 pub(crate) struct Cur<'a> {
     pub(crate) buf: &'a [u8],
     pub(crate) pos: usize,
+    /// A hash was read as a negative int: the engine sends signed int64 hashes (SGLang).
+    pub(crate) signed_hash: bool,
 }
 
 impl<'a> Cur<'a> {
     #[inline]
     pub(crate) fn new(buf: &'a [u8], pos: usize) -> Self {
-        Self { buf, pos }
+        Self {
+            buf,
+            pos,
+            signed_hash: false,
+        }
     }
     #[inline]
     pub(crate) fn left(&self) -> usize {

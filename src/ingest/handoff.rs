@@ -262,7 +262,11 @@ impl Handoff for RingHandoff {
         let meta = kvbridge_shm::RecordMeta {
             dp_rank: self.rank,
             upstream_seq: seq,
-            flags: 0,
+            flags: if plan.signed_hashes {
+                crate::ring::FLAG_SIGNED_HASHES
+            } else {
+                0
+            },
             ingest_ns: crate::clock::unix_nanos(),
             // What a restarted kvbridge compares the engine's replay of `seq` with.
             upstream_digest: digest,

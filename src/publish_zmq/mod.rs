@@ -55,7 +55,7 @@ use crate::metrics::Metrics;
 use crate::proto::common::KvEventBatch;
 use crate::ring::{RingHub, RingSet};
 use crate::snapshot::RingTable;
-pub use wire::WireLayout;
+pub use wire::{HashForm, WireLayout};
 
 /// Starting the edge failed (a port taken, an endpoint ZMQ refuses): one line.
 #[derive(Debug, Error)]
@@ -321,16 +321,26 @@ pub(crate) enum Translated {
     Undecodable,
 }
 
-/// Re-encodes ring record `bytes` for rank `rank` into `out`.
+/// The hash form of a ring record with flags `flags`.
+fn form_of(flags: u32) -> HashForm {
+    if flags & crate::ring::FLAG_SIGNED_HASHES != 0 {
+        HashForm::Signed
+    } else {
+        HashForm::Unsigned
+    }
+}
+
+/// Re-encodes ring record `bytes` (record flags `flags`) for rank `rank` into `out`.
 pub(crate) fn translate(
     bytes: &[u8],
+    flags: u32,
     rank: u32,
     layout: WireLayout,
     out: &mut Vec<u8>,
 ) -> Translated {
     match KvEventBatch::decode(bytes) {
         Ok(b) => {
-            wire::encode_batch(&b, i64::from(rank), layout, out);
+            wire::encode_batch(&b, i64::from(rank), layout, form_of(flags), out);
             Translated::Batch
         }
         Err(_) => {
@@ -386,13 +396,13 @@ impl Publisher {
                     continue;
                 }
             }
-            let seq = match reader.next_blocking(WAIT) {
+            let (seq, flags) = match reader.next_blocking(WAIT) {
                 ReadOutcome::Record(v) => {
-                    let seq = v.seq();
+                    let (seq, flags) = (v.seq(), v.meta().flags);
                     if !v.copy_to(&mut record) {
                         continue; // overwritten during the copy: the seek reports it
                     }
-                    seq
+                    (seq, flags)
                 }
                 ReadOutcome::Lapped { resume_at, .. } => {
                     self.clear(resume_at - 1, ClearCause::RingLapped, &mut payload, &mut id);
@@ -422,7 +432,7 @@ impl Publisher {
             };
             next = seq + 1;
             if let Translated::Undecodable =
-                translate(&record, self.rank, self.layout, &mut payload)
+                translate(&record, flags, self.rank, self.layout, &mut payload)
             {
                 self.metrics
                     .cleared
@@ -459,7 +469,13 @@ impl Publisher {
             timestamp: crate::clock::unix_seconds(),
             ..Default::default()
         };
-        wire::encode_batch(&empty, i64::from(self.rank), self.layout, payload);
+        wire::encode_batch(
+            &empty,
+            i64::from(self.rank),
+            self.layout,
+            HashForm::Unsigned,
+            payload,
+        );
         self.send(id.last, payload, id);
         self.metrics
             .heartbeats

@@ -355,7 +355,8 @@ impl Server {
             return Ok(Some((seq, out)));
         }
         if let Some((first, k, c)) = &r.chunks {
-            translate(&c.chunks[*k], rank, layout, &mut out);
+            // (a state from the table: the engine's form is not kept per block)
+            translate(&c.chunks[*k], 0, rank, layout, &mut out);
             return Ok(Some((first + *k as u64, out)));
         }
         let seq = r.next;
@@ -371,10 +372,11 @@ impl Server {
         loop {
             match r.reader.next() {
                 ReadOutcome::Record(v) => {
+                    let flags = v.meta().flags;
                     if !v.copy_to(&mut record) {
                         return Err("lapped");
                     }
-                    translate(&record, rank, layout, &mut out);
+                    translate(&record, flags, rank, layout, &mut out);
                     return Ok(Some((seq, out)));
                 }
                 ReadOutcome::Corrupt { .. } => {

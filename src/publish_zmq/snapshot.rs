@@ -187,7 +187,13 @@ pub(super) fn program(bodies: &[Vec<u8>], rank: u32, layout: WireLayout) -> Vec<
     let mut flush = |cur: &mut KvEventBatch, count: &mut usize| {
         if !cur.events.is_empty() {
             let mut out = Vec::new();
-            wire::encode_batch(cur, i64::from(rank), layout, &mut out);
+            wire::encode_batch(
+                cur,
+                i64::from(rank),
+                layout,
+                wire::HashForm::Unsigned,
+                &mut out,
+            );
             chunks.push(out);
             cur.events.clear();
             *count = 0;

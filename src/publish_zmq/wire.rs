@@ -4,9 +4,11 @@
 //! One format for every engine: an SGLang or TokenSpeed worker is written as a vLLM one. Every
 //! field the ring carries that the chosen layout has is written; nothing is invented (an absent
 //! optional field stays absent, a required one is written as nil). Block hashes (and the parent)
-//! are always fixed-width unsigned 64-bit msgpack integers (`cf` + 8 bytes), the form vLLM's
-//! default int hashes take: the canonical int64 key's bits, so every consumer's int64 rule gives
-//! back the key kvbridge holds, and no decoder that insists on 64-bit hashes sees a short int.
+//! are always fixed-width 64-bit msgpack integers, in the engine's own form ([`HashForm`]):
+//! unsigned (`cf` + 8 bytes) as vLLM's default int hashes take it, or, for an engine that sends
+//! signed int64 (SGLang), `d3` + 8 bytes for a negative one. Either is the canonical int64 key's
+//! bits, so every consumer's int64 rule gives back the key kvbridge holds, and no decoder that
+//! insists on 64-bit hashes sees a short int.
 
 use crate::proto::common::{
     kv_block_extra_key::Key, kv_cache_event::Data, KvBlock, KvBlocksRemoved, KvBlocksStored,
@@ -55,9 +57,25 @@ fn map(out: &mut Vec<u8>, n: usize) {
     let _ = rmp::encode::write_map_len(out, n as u32);
 }
 
-/// A block hash: always `cf` + 8 bytes (the canonical key's 64 bits).
-fn hash(out: &mut Vec<u8>, h: i64) {
-    let _ = rmp::encode::write_u64(out, h as u64);
+/// The integer form of an engine's block hashes (its batch's ring record says which: the
+/// `FLAG_SIGNED_HASHES` record flag).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HashForm {
+    /// Unsigned 64-bit values, as vLLM sends them: always `cf` + 8 bytes.
+    #[default]
+    Unsigned,
+    /// Signed int64 values, as SGLang sends them: a negative hash is `d3` + 8 bytes (what the
+    /// engine's msgspec writes for every value below −2³¹), a non-negative one `cf` + 8 bytes.
+    Signed,
+}
+
+/// A block hash: fixed width, 8 bytes after the marker (the canonical key's 64 bits), in the
+/// engine's integer form.
+fn hash(out: &mut Vec<u8>, h: i64, form: HashForm) {
+    let _ = match form {
+        HashForm::Signed if h < 0 => rmp::encode::write_i64(out, h),
+        _ => rmp::encode::write_u64(out, h as u64),
+    };
 }
 
 fn opt_str(out: &mut Vec<u8>, s: Option<&str>) {
@@ -90,6 +108,7 @@ pub fn encode_batch(
     batch: &KvEventBatch,
     rank: i64,
     layout: WireLayout,
+    form: HashForm,
     out: &mut Vec<u8>,
 ) -> usize {
     out.clear();
@@ -110,7 +129,7 @@ pub fn encode_batch(
     arr(out, count);
     for d in &events {
         match d {
-            Data::Stored(s) if size_runs(s).nth(1).is_none() => stored(s, layout, out),
+            Data::Stored(s) if size_runs(s).nth(1).is_none() => stored(s, layout, form, out),
             Data::Stored(s) => {
                 // One store per run, each naming the block before it as its parent.
                 let mut parent = s.parent_block_hash;
@@ -120,11 +139,11 @@ pub fn encode_batch(
                         parent_block_hash: parent,
                         ..KvBlocksStored::clone(s)
                     };
-                    stored(&part, layout, out);
+                    stored(&part, layout, form, out);
                     parent = run.last().map(|b| b.block_hash);
                 }
             }
-            Data::Removed(r) => removed(r, layout, out),
+            Data::Removed(r) => removed(r, layout, form, out),
             Data::Cleared(_) => cleared(layout, out),
         }
     }
@@ -170,10 +189,10 @@ fn cleared(layout: WireLayout, out: &mut Vec<u8>) {
     str_(out, TAG_CLEARED);
 }
 
-fn hashes(out: &mut Vec<u8>, it: impl ExactSizeIterator<Item = i64>) {
+fn hashes(out: &mut Vec<u8>, it: impl ExactSizeIterator<Item = i64>, form: HashForm) {
     arr(out, it.len());
     for h in it {
-        hash(out, h);
+        hash(out, h, form);
     }
 }
 
@@ -208,7 +227,7 @@ fn extra_keys(s: &KvBlocksStored, out: &mut Vec<u8>) {
     }
 }
 
-fn stored(s: &KvBlocksStored, layout: WireLayout, out: &mut Vec<u8>) {
+fn stored(s: &KvBlocksStored, layout: WireLayout, form: HashForm, out: &mut Vec<u8>) {
     let first = s.blocks.first();
     let block_size = first.map_or(0, |b| b.block_size.max(0) as u64);
     let lora_id = first.and_then(|b| b.lora_id);
@@ -223,10 +242,10 @@ fn stored(s: &KvBlocksStored, layout: WireLayout, out: &mut Vec<u8>) {
             }
         };
         key(out, "block_hashes");
-        hashes(out, s.blocks.iter().map(|b| b.block_hash));
+        hashes(out, s.blocks.iter().map(|b| b.block_hash), form);
         key(out, "parent_block_hash");
         match s.parent_block_hash {
-            Some(p) => hash(out, p),
+            Some(p) => hash(out, p, form),
             None => nil(out),
         }
         key(out, "token_ids");
@@ -308,12 +327,12 @@ fn stored(s: &KvBlocksStored, layout: WireLayout, out: &mut Vec<u8>) {
     }
 }
 
-fn removed(r: &KvBlocksRemoved, layout: WireLayout, out: &mut Vec<u8>) {
+fn removed(r: &KvBlocksRemoved, layout: WireLayout, form: HashForm, out: &mut Vec<u8>) {
     match layout {
         WireLayout::Array => {
             arr(out, 4);
             str_(out, TAG_REMOVED);
-            hashes(out, r.block_hashes.iter().copied());
+            hashes(out, r.block_hashes.iter().copied(), form);
             opt_str(out, r.medium.as_deref());
             opt_uint(out, r.group_idx.map(u64::from));
         }
@@ -324,7 +343,7 @@ fn removed(r: &KvBlocksRemoved, layout: WireLayout, out: &mut Vec<u8>) {
             str_(out, "type");
             str_(out, TAG_REMOVED);
             str_(out, "block_hashes");
-            hashes(out, r.block_hashes.iter().copied());
+            hashes(out, r.block_hashes.iter().copied(), form);
             str_(out, "medium");
             opt_str(out, r.medium.as_deref());
             if let Some(g) = r.group_idx {
@@ -393,7 +412,7 @@ mod tests {
     #[test]
     fn array_layout_is_the_v7_example() {
         let mut out = Vec::new();
-        encode_batch(&batch(), 0, WireLayout::Array, &mut out);
+        encode_batch(&batch(), 0, WireLayout::Array, HashForm::Unsigned, &mut out);
         let want = "93cb41d954fc40200000939cab426c6f636b53746f72656491cfdeadbeefcafef00dc0940102030404c0a3475055c0c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cfdeadbeefcafef00da34750550091b0416c6c426c6f636b73436c656172656400";
         assert_eq!(hex(&out), want);
     }
@@ -402,7 +421,7 @@ mod tests {
     #[test]
     fn map_layout_is_the_v12_example() {
         let mut out = Vec::new();
-        encode_batch(&batch(), 0, WireLayout::Map, &mut out);
+        encode_batch(&batch(), 0, WireLayout::Map, HashForm::Unsigned, &mut out);
         let want = "93cb41d954fc40200000938aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cfdeadbeefcafef00db1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cfdeadbeefcafef00da66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
         assert_eq!(hex(&out), want);
     }
@@ -435,7 +454,11 @@ mod tests {
         }
         for layout in [WireLayout::Map, WireLayout::Array] {
             let mut out = Vec::new();
-            assert_eq!(encode_batch(&b, 0, layout, &mut out), 2, "{layout:?}");
+            assert_eq!(
+                encode_batch(&b, 0, layout, HashForm::Unsigned, &mut out),
+                2,
+                "{layout:?}"
+            );
             let mut dec = Decoder::new(DecodeConfig {
                 profile: Profile::All,
                 ..Default::default()
@@ -479,7 +502,7 @@ mod tests {
             r.block_hashes = vec![5, -1];
         }
         let mut out = Vec::new();
-        encode_batch(&b, 3, WireLayout::Map, &mut out);
+        encode_batch(&b, 3, WireLayout::Map, HashForm::Unsigned, &mut out);
         let h = hex(&out);
         assert!(h.contains("92cf0000000000000005cfffffffffffffffff"), "{h}");
         assert!(h.ends_with("03"), "the rank: {h}");

@@ -47,7 +47,8 @@ use gauges::RingGauges;
 pub use metrics::RingMetrics;
 pub use set::RingSet;
 pub use source::{
-    ClearCause, EventVisitor, RecordHeader, RecordSource, StoredEvent, FLAG_SYNTHESIZED,
+    ClearCause, EventVisitor, RecordHeader, RecordSource, StoredEvent, FLAG_SIGNED_HASHES,
+    FLAG_SYNTHESIZED,
 };
 
 /// Something that must see every published source at the instant it becomes part of the ring:

@@ -75,6 +75,9 @@ pub trait StoredEvent {
 
 /// Record flag: a batch kvbridge synthesized (an in-band clear), not an engine batch.
 pub const FLAG_SYNTHESIZED: u32 = 1;
+/// Record flag: the engine sent this batch's block hashes as signed int64 (one was a negative
+/// msgpack int: SGLang), so that the engine-wire re-publish writes them back in that form.
+pub const FLAG_SIGNED_HASHES: u32 = 2;
 
 /// Why kvbridge inserted a `cleared` event (docs/smg-api.md §6.4). Stored in record flags bits 8..16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

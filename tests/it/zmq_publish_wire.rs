@@ -147,3 +147,109 @@ fn two_ranks_publish_on_port_plus_rank() {
         assert_eq!(all.last().unwrap().seq, got[2].seq);
     }
 }
+
+/// The `block_hashes` and `parent_block_hash` values of every event of `payload`, in order, as
+/// raw msgpack: marker and bytes, as the sender wrote them.
+fn raw_hashes(payload: &[u8]) -> Vec<Vec<u8>> {
+    use rmp::decode::{read_array_len, read_map_len, read_str_len};
+    use rmp::Marker;
+    // Walks `[ts, events, rank]` with map events, taking each hash value's bytes.
+    fn value_len(b: &[u8]) -> usize {
+        match Marker::from_u8(b[0]) {
+            Marker::U64 | Marker::I64 | Marker::F64 => 9,
+            Marker::U32 | Marker::I32 | Marker::F32 => 5,
+            Marker::U16 | Marker::I16 => 3,
+            Marker::U8 | Marker::I8 => 2,
+            _ => 1,
+        }
+    }
+    let mut out = Vec::new();
+    let mut rd = payload;
+    read_array_len(&mut rd).unwrap();
+    rd = &rd[9..]; // ts: f64
+    let n = read_array_len(&mut rd).unwrap() as usize;
+    for _ in 0..n {
+        let fields = read_map_len(&mut rd).unwrap();
+        for _ in 0..fields {
+            let klen = read_str_len(&mut rd).unwrap() as usize;
+            let key = std::str::from_utf8(&rd[..klen]).unwrap().to_string();
+            rd = &rd[klen..];
+            // The rest of this field's value, re-measured by serde for anything but hashes.
+            let start = payload.len() - rd.len();
+            let mut cur = &payload[start..];
+            let _: serde_json::Value = rmp_serde::from_read(&mut cur).unwrap();
+            let whole = &payload[start..payload.len() - cur.len()];
+            match key.as_str() {
+                "block_hashes" => {
+                    let mut h = whole;
+                    let k = read_array_len(&mut h).unwrap();
+                    for _ in 0..k {
+                        let l = value_len(h);
+                        out.push(h[..l].to_vec());
+                        h = &h[l..];
+                    }
+                }
+                "parent_block_hash" if whole[0] != 0xc0 => out.push(whole.to_vec()),
+                _ => {}
+            }
+            rd = cur;
+        }
+    }
+    out
+}
+
+/// SGLang sends its hashes as signed int64 (about half negative): the re-publish writes each one
+/// in the engine's own integer form, byte for byte, where vLLM's unsigned ones stay `cf`.
+#[test]
+fn sglang_signed_hashes_are_republished_as_the_engine_wrote_them() {
+    use kvbridge_tools::sim::{encode_batch, Layout, SimEvent};
+    let dir = tempfile::tempdir().unwrap();
+    let ring = dir.path().join("ring");
+    let engine = Engine::start(0);
+    let mut args = base_args(&[&engine]);
+    args.extend(publish_args("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"));
+    let bridge = Bridge::start(dir.path(), &ring, &args);
+    let (pub_ep, _) = endpoints(&bridge, 1).remove(0);
+    let ctx = zmq::Context::new();
+    let s = sub(&ctx, &pub_ep);
+    warm_up(&s, || {
+        engine.with(|p| p.publish(warm_batch(0)));
+    });
+    // Hashes with the top bit set (negative as int64) and clear, a parent of each kind.
+    let store = |parent: u64, hashes: Vec<u64>| SimEvent::Stored {
+        tokens: (1..=hashes.len() as u32 * 4).collect(),
+        hashes,
+        parent: Some(parent),
+        block_size: 4,
+        medium: Some("GPU".into()),
+    };
+    for layout in [Layout::Sglang0523, Layout::Vllm033] {
+        let events = vec![
+            store(
+                0xF000_0000_0000_0001,
+                vec![0x8000_0000_0000_0002, 0x1234_5678_9ABC_DEF0],
+            ),
+            store(0x0FED_CBA9_8765_4321, vec![0xFFFF_FFFF_0000_0003]),
+            SimEvent::Removed {
+                hashes: vec![0x8000_0000_0000_0002, 0x2000_0000_0000_0004],
+                medium: Some("GPU".into()),
+            },
+        ];
+        let sent = encode_batch(layout, common::now_ts(), &events, 0);
+        engine.with(move |p| p.publish(sent));
+        let sent = encode_batch(layout, 0.0, &events, 0);
+        let got = recv(&s, Duration::from_secs(10)).expect("the batch");
+        let (want, have) = (raw_hashes(&sent), raw_hashes(&got.payload));
+        assert_eq!(want.len(), 7, "{layout:?}: 5 block hashes and 2 parents");
+        assert_eq!(
+            have, want,
+            "{layout:?}: every hash in the engine's own bytes"
+        );
+        let negative = want.iter().filter(|h| h[0] == 0xd3).count();
+        match layout {
+            Layout::Sglang0523 => assert_eq!(negative, 4, "SGLang's negative int64s"),
+            _ => assert_eq!(negative, 0, "vLLM's unsigned hashes"),
+        }
+    }
+    drop(bridge);
+}
