@@ -88,6 +88,10 @@ pub(crate) struct Tokens {
     /// Per-block (offset, packed bytes) measured with the block-size hint: (start in
     /// `Decoder::chunks`, the hint used).
     pub(crate) chunks: Option<(u32, u32)>,
+    /// SGLang's EAGLE form (SGLang #39610): `[[t0, t1], [t1, t2], …]`, one bigram per position.
+    /// Its `n` pairs cover `n + 1` tokens shifted by one, so they never pair with the hashes as
+    /// tokens: the store goes out hash-only (or is filtered as unpairable).
+    pub(crate) bigram: bool,
 }
 
 /// Fields of one event as parsed (any tag).
@@ -244,6 +248,14 @@ impl Decoder {
         };
         let first = c.pos;
         let buf = c.buf;
+        if n > 0 && matches!(buf.get(first), Some(0x90..=0x9f | 0xdc | 0xdd)) {
+            return Ok(read_bigrams(c, n)?.map(|()| Tokens {
+                off: first as u32,
+                n,
+                chunks: None,
+                bigram: true,
+            }));
+        }
         let mut pos = first;
         let bs = self.bs_hint as usize;
         if n > 0 && bs > 0 && n as usize % bs == 0 {
@@ -267,6 +279,7 @@ impl Decoder {
                 off: first as u32,
                 n,
                 chunks: Some((start as u32, bs as u32)),
+                bigram: false,
             }));
         }
         for _ in 0..n {
@@ -287,6 +300,7 @@ impl Decoder {
             off: first as u32,
             n,
             chunks: None,
+            bigram: false,
         }))
     }
 
@@ -368,6 +382,24 @@ fn read_opt_str(c: &mut Cur<'_>, out: &mut Option<Span>) -> FR<()> {
         }
         None => Ok(Err(Invalid::Type)),
     }
+}
+
+/// `n` bigrams `[a, b]` of token ids (u32 each), read past; any other element is a type error.
+fn read_bigrams(c: &mut Cur<'_>, n: u32) -> FR<()> {
+    for _ in 0..n {
+        let (m, at) = c.marker()?;
+        if c.array_len(m, at)? != Some(2) {
+            return Ok(Err(Invalid::Type));
+        }
+        for _ in 0..2 {
+            let (m, _) = c.marker()?;
+            match c.int_of(m)?.and_then(Int::as_u64) {
+                Some(v) if v <= u32::MAX as u64 => {}
+                _ => return Ok(Err(Invalid::Type)),
+            }
+        }
+    }
+    Ok(Ok(()))
 }
 
 /// A hash / lora_id: int (low 64 bits) or bin (last 8 bytes BE, len ≥ 1); nil → None.

@@ -31,7 +31,10 @@ impl Decoder {
             self.stats.empty_events += 1;
             return self.hashes.truncate(hmark);
         }
-        let pairable = bs > 0 && (n as u64) * bs == tok.n as u64;
+        let pairable = !tok.bigram && bs > 0 && (n as u64) * bs == tok.n as u64;
+        if tok.bigram {
+            self.stats.bigram_stores += 1;
+        }
         if !pairable {
             if tok.n == 0 && bs == 0 {
                 self.stats.placeholders += 1;

@@ -47,6 +47,9 @@ pub struct DecodeStats {
     pub unpairable_stores: u64,
     /// Offload placeholders (`token_ids == []` and `block_size == 0`).
     pub placeholders: u64,
+    /// Stores whose `token_ids` are SGLang EAGLE bigrams (`[[t0, t1], [t1, t2], …]`), counted
+    /// also as unpairable: forwarded hash-only, or filtered (engine-wire §5.4).
+    pub bigram_stores: u64,
     /// Stores forwarded hash-only (Profile::All; unpairable + placeholders).
     pub hash_only_stores: u64,
     /// Profile::Smg: dropped for a DISK/EXTERNAL tier.
@@ -115,6 +118,7 @@ impl DecodeStats {
             ("oversized_events", self.oversized_events),
             ("unpairable_stores", self.unpairable_stores),
             ("placeholders", self.placeholders),
+            ("bigram_stores", self.bigram_stores),
             ("hash_only_stores", self.hash_only_stores),
             ("filtered_tier", self.filtered_tier),
             ("filtered_group", self.filtered_group),

@@ -7,7 +7,8 @@ must give it.
 
 Run with the real-engine venv's python (scripts/vllm-engine-venv.sh): msgspec and vLLM. Where a released
 engine's own classes can encode a shape (vLLM 0.32's, for open medium strings), they are used;
-every other vector is marked `"status": "open-pr-schema"` with its source: its class is written
+a vector whose class is written here from a release's own source (not importable in this venv) is
+marked `"status": "release-source"`; every other vector is marked `"status": "open-pr-schema"` with its source: its class is written
 here from that pull request's description, because no release has it yet. When a release
 ships one of them, replace the vector with one encoded by that release's classes.
 """
@@ -108,6 +109,19 @@ class SgRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockR
     medium: Optional[str] = None
     # SGLang #39620: why the blocks left the tier.
     reason: Optional[str] = None
+
+
+class SgBigramStored(msgspec.Struct, omit_defaults=True, tag="BlockStored"):
+    """SGLang 0.5.23's map `BlockStored` as `srt/mem_cache/events.py` enqueues it for an EAGLE
+    radix cache (`is_bigram`, SGLang #39610): one event per page, `token_ids` the page's bigrams
+    `(raw[j], raw[j + 1])`, `block_size` their count."""
+
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[Any]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = None
 
 
 class AtomStored(msgspec.Struct, array_like=True, tag="BlockStored"):
@@ -241,6 +255,22 @@ def main():
          removed_exp([H[3]], medium="GPU"),
          removed_exp([H[2]])],
         {"unknown_keys": 0, "malformed_events": 0, "malformed_removals": 0},
+    ))
+    raw = toks(2 * BS + 1, 3)
+    pages = [[(raw[j], raw[j + 1]) for j in range(p, p + BS)] for p in (0, BS)]
+    out.append(vec(
+        "sglang_eagle_bigram_stores",
+        "sgl-project/sglang v0.5.23 srt/mem_cache/events.py (bigram pages, #39610)",
+        "release-source",
+        Batch(TS, [
+            SgBigramStored([i64(H[1])], None, pages[0], BS, None, "GPU"),
+            SgBigramStored([i64(H[3])], i64(H[1]), pages[1], BS, None, "GPU"),
+        ], 0),
+        # Hash-only: a page's bigrams cover BS + 1 tokens shifted by one, so they are no tokens of
+        # the block (docs/engine-wire.md §5.4).
+        [stored_exp([H[1]], None, [], BS, lora_id=None, medium="GPU"),
+         stored_exp([H[3]], H[1], [], BS, lora_id=None, medium="GPU")],
+        {"unknown_keys": 0, "malformed_events": 0, "bigram_stores": 2, "hash_only_stores": 2},
     ))
     out.append(vec(
         "atom_trailing_token_offset_short_layout",
