@@ -728,3 +728,78 @@ fn without_an_epoch_before_the_bytes_decide() {
     st.on_live(1, Some(Epoch(9)), b"n", &mut handoff, Some(&mut eng));
     assert_eq!(handoff.0, ["clear:engine_restart", "0:n", "1:n"]);
 }
+
+/// An engine whose replay buffer holds `have` (batches `b"r"`) and whose snapshot service
+/// answers `snap`.
+struct SnapshotEngine {
+    inner: Engine,
+    snap: EngineSnapshot,
+    asked: u32,
+}
+impl ReplaySource for SnapshotEngine {
+    fn replay(
+        &mut self,
+        from: u64,
+        batch: &mut dyn FnMut(u64, &[u8]),
+        live: &mut dyn FnMut(u64, Vec<u8>),
+    ) -> ReplayEnd {
+        self.inner.replay(from, batch, live)
+    }
+    fn has_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, live: &mut dyn FnMut(u64, Vec<u8>)) -> EngineSnapshot {
+        self.asked += 1;
+        // A live batch at the cut arrives meanwhile: a copy of what the snapshot holds.
+        live(12, b"r".to_vec());
+        self.snap.clone()
+    }
+}
+
+#[test]
+fn a_history_the_replay_no_longer_holds_comes_from_the_engines_snapshot() {
+    let (mut st, m) = state_with_metrics();
+    let mut handoff = Rec::default();
+    let mut engine = SnapshotEngine {
+        inner: Engine::new(&[10, 11, 12, 13], ReplayEnd::Complete),
+        snap: EngineSnapshot::State {
+            cut: 12,
+            epoch: Epoch(7),
+            chunks: vec![b"s1".to_vec(), b"s2".to_vec()],
+        },
+        asked: 0,
+    };
+    st.catch_up(&mut handoff, &mut engine);
+    // One clear, the state at 12, then 13 from the replay; the live copy of 12 is dropped, and
+    // nothing of the replay before the snapshot was applied.
+    assert_eq!(
+        handoff.0,
+        ["clear:missing_history", "12:s1", "12:s2", "13:r"]
+    );
+    assert_eq!(engine.asked, 1);
+    assert_eq!(engine.inner.requests, [0, 13]);
+    assert_eq!(st.pos(), Pos::Last(13));
+    assert_eq!(m.replays.with_label_values(&["0", "snapshot"]).get(), 1);
+    assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
+}
+
+#[test]
+fn an_unavailable_snapshot_falls_back_to_the_missing_history() {
+    let (mut st, m) = state_with_metrics();
+    let mut handoff = Rec::default();
+    let mut engine = SnapshotEngine {
+        inner: Engine::new(&[10, 11], ReplayEnd::Complete),
+        snap: EngineSnapshot::Unavailable("-2"),
+        asked: 0,
+    };
+    st.catch_up(&mut handoff, &mut engine);
+    // (12 arrived live while the snapshot was asked for: the next batch, applied in order)
+    assert_eq!(handoff.0, ["clear:missing_history", "10:r", "11:r", "12:r"]);
+    assert_eq!(engine.inner.requests, [0, 0]);
+    assert_eq!(
+        m.replays
+            .with_label_values(&["0", "snapshot_unavailable"])
+            .get(),
+        1
+    );
+}
