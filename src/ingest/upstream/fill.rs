@@ -61,7 +61,20 @@ impl RankState {
                     .snapshot(&mut |ls, lp| queue_live(&mut live, &mut overflow, limit, ls, lp));
                 match answer {
                     EngineSnapshot::State { cut, epoch, chunks } => {
-                        self.restore(cut, epoch, &chunks, handoff);
+                        // The engine's own batch at the cut (its replay buffer holds its newest
+                        // batches): what the ring records for the state, so that a restarted
+                        // kvbridge comparing the engine's replay of `last` finds it the same.
+                        let mut at_cut = None;
+                        source.replay(
+                            cut,
+                            &mut |rs, rp| {
+                                if rs == cut {
+                                    at_cut = Some(digest(rp));
+                                }
+                            },
+                            &mut |ls, lp| queue_live(&mut live, &mut overflow, limit, ls, lp),
+                        );
+                        self.restore(cut, epoch, &chunks, at_cut, handoff);
                         // What the engine published after its cut, from its replay buffer.
                         want = cut + 1;
                         attempt = 0;
@@ -238,15 +251,31 @@ impl RankState {
     /// what they hold), its chunks as batches numbered `cut`, then the rank is exact again and
     /// the state machine stands at `cut`, proven the incarnation of `epoch` (live batches queued
     /// at or below `cut` are copies).
-    fn restore(&mut self, cut: u64, epoch: Epoch, chunks: &[Vec<u8>], handoff: &mut dyn Handoff) {
+    /// `at_cut`, the digest of the engine's batch at the cut when its replay still had it, is
+    /// recorded with the last chunk (and kept as what was applied at `cut`).
+    fn restore(
+        &mut self,
+        cut: u64,
+        epoch: Epoch,
+        chunks: &[Vec<u8>],
+        at_cut: Option<u32>,
+        handoff: &mut dyn Handoff,
+    ) {
         self.m.replay("snapshot");
         self.clear(handoff, cut, ClearCause::MissingHistory);
-        for c in chunks {
-            handoff.apply(cut, digest(c), c);
+        for (i, c) in chunks.iter().enumerate() {
+            let d = match at_cut {
+                Some(d) if i + 1 == chunks.len() => d,
+                _ => digest(c),
+            };
+            handoff.apply(cut, d, c);
         }
         handoff.restored();
         self.pos = Pos::Last(cut);
         self.applied.clear();
+        if let Some(d) = at_cut {
+            self.applied.push_back((cut, d));
+        }
         self.verified = true;
         self.proven_by_replay = true;
         self.epoch = Some(epoch);

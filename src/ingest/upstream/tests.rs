@@ -777,7 +777,8 @@ fn a_history_the_replay_no_longer_holds_comes_from_the_engines_snapshot() {
         ["clear:missing_history", "12:s1", "12:s2", "13:r"]
     );
     assert_eq!(engine.asked, 1);
-    assert_eq!(engine.inner.requests, [0, 13]);
+    // From 0 (history missing), from the cut (its batch's digest, for the ring), after it.
+    assert_eq!(engine.inner.requests, [0, 12, 13]);
     assert_eq!(st.pos(), Pos::Last(13));
     assert_eq!(m.replays.with_label_values(&["0", "snapshot"]).get(), 1);
     assert_eq!(m.engine_restarts.with_label_values(&["0"]).get(), 0);
@@ -802,4 +803,46 @@ fn an_unavailable_snapshot_falls_back_to_the_missing_history() {
             .get(),
         1
     );
+}
+
+/// What a restarted kvbridge finds in the ring after a snapshot: the last chunk recorded with the
+/// digest of the engine's own batch at the cut, so its replay of `last` proves the incarnation.
+#[test]
+fn the_snapshot_is_recorded_with_the_engines_digest_at_the_cut() {
+    #[derive(Default)]
+    struct Digests(Vec<(u64, u32)>);
+    impl Handoff for Digests {
+        fn apply(&mut self, seq: u64, digest: u32, _payload: &[u8]) {
+            self.0.push((seq, digest));
+        }
+        fn clear(&mut self, _s: u64, _cause: ClearCause) {}
+    }
+    let (mut st, _m) = state_with_metrics();
+    let mut handoff = Digests::default();
+    let mut engine = SnapshotEngine {
+        inner: Engine::new(&[10, 11, 12], ReplayEnd::Complete),
+        snap: EngineSnapshot::State {
+            cut: 12,
+            epoch: Epoch(7),
+            chunks: vec![b"s1".to_vec(), b"s2".to_vec()],
+        },
+        asked: 0,
+    };
+    st.catch_up(&mut handoff, &mut engine);
+    assert_eq!(handoff.0, [(12, digest(b"s1")), (12, digest(b"r"))]);
+    // A kvbridge restart resumes at 12 with that digest: the engine's replay of 12 matches.
+    let mut again = RankState::new(
+        Resume::Applied {
+            seq: 12,
+            digest: digest(b"r"),
+        },
+        Limits::default(),
+        IngestMetrics::for_tests().rank(0),
+    );
+    let mut rec = Rec::default();
+    again.catch_up(
+        &mut rec,
+        &mut Engine::new(&[10, 11, 12, 13], ReplayEnd::Complete),
+    );
+    assert_eq!(rec.0, ["13:r"], "a continuation, not a restart");
 }
