@@ -736,6 +736,20 @@ struct SnapshotEngine {
     snap: EngineSnapshot,
     asked: u32,
 }
+impl SnapshotEngine {
+    /// Buffering `have`, its snapshot the state at 12 in two chunks `s1`, `s2`.
+    fn at_12(have: &[u64]) -> Self {
+        SnapshotEngine {
+            inner: Engine::new(have, ReplayEnd::Complete),
+            snap: EngineSnapshot::State {
+                cut: 12,
+                epoch: Epoch(7),
+                chunks: vec![b"s1".to_vec(), b"s2".to_vec()],
+            },
+            asked: 0,
+        }
+    }
+}
 impl ReplaySource for SnapshotEngine {
     fn replay(
         &mut self,
@@ -760,15 +774,7 @@ impl ReplaySource for SnapshotEngine {
 fn a_history_the_replay_no_longer_holds_comes_from_the_engines_snapshot() {
     let (mut st, m) = state_with_metrics();
     let mut handoff = Rec::default();
-    let mut engine = SnapshotEngine {
-        inner: Engine::new(&[10, 11, 12, 13], ReplayEnd::Complete),
-        snap: EngineSnapshot::State {
-            cut: 12,
-            epoch: Epoch(7),
-            chunks: vec![b"s1".to_vec(), b"s2".to_vec()],
-        },
-        asked: 0,
-    };
+    let mut engine = SnapshotEngine::at_12(&[10, 11, 12, 13]);
     st.catch_up(&mut handoff, &mut engine);
     // One clear, the state at 12, then 13 from the replay; the live copy of 12 is dropped, and
     // nothing of the replay before the snapshot was applied.
@@ -819,15 +825,7 @@ fn the_snapshot_is_recorded_with_the_engines_digest_at_the_cut() {
     }
     let (mut st, _m) = state_with_metrics();
     let mut handoff = Digests::default();
-    let mut engine = SnapshotEngine {
-        inner: Engine::new(&[10, 11, 12], ReplayEnd::Complete),
-        snap: EngineSnapshot::State {
-            cut: 12,
-            epoch: Epoch(7),
-            chunks: vec![b"s1".to_vec(), b"s2".to_vec()],
-        },
-        asked: 0,
-    };
+    let mut engine = SnapshotEngine::at_12(&[10, 11, 12]);
     st.catch_up(&mut handoff, &mut engine);
     assert_eq!(handoff.0, [(12, digest(b"s1")), (12, digest(b"r"))]);
     // A kvbridge restart resumes at 12 with that digest: the engine's replay of 12 matches.
