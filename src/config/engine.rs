@@ -32,9 +32,10 @@ concern! {
         /// The engine's replay ROUTER for the rank in the same position (`--zmq` then `--zmq-bind`).
         #[arg(long, value_name = "ENDPOINT")]
         pub replay: Vec<String>,
-        /// The engine's snapshot ROUTER (vLLM #57789's `snapshot_endpoint`, unmerged) for the
-        /// rank in the same position: where the replay cannot fill (a late start past its
-        /// buffer, an engine restart while kvbridge was down), the rank's state comes from it.
+        /// The engine's snapshot ROUTER (vLLM #57789's or SGLang #34407's `snapshot_endpoint`,
+        /// both unmerged) for the rank in the same position: where the replay cannot fill (a late
+        /// start past its buffer, an engine restart while kvbridge was down), the rank's state
+        /// comes from it. SGLang's state has no tokens: declined under `--profile smg`.
         #[arg(long, value_name = "ENDPOINT")]
         pub engine_snapshot: Vec<String>,
         /// ZMQ topic. A non-empty topic is also compared exactly, up to the first NUL (SGLang

@@ -18,5 +18,8 @@ pub(super) struct RankIo {
     pub(super) replay_timeout: Duration,
     /// `ZMQ_MAXMSGSIZE` for the SUB and the replay DEALER.
     pub(super) max_message: i64,
+    /// The decoder drops stores without tokens (`--profile smg`): a snapshot of placements
+    /// (SGLang #34407's, hashes only) cannot rebuild what consumers hold.
+    pub(super) tokens_required: bool,
     pub(super) m: RankMetrics,
 }

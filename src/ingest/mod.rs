@@ -17,6 +17,7 @@ mod config;
 mod handoff;
 mod io;
 mod metrics;
+mod placement;
 mod rank;
 mod replay;
 pub mod upstream;
@@ -142,6 +143,7 @@ impl Ingest {
                     stop: stop.clone(),
                     replay_timeout: cfg.replay_timeout,
                     max_message,
+                    tokens_required: decode.profile == crate::decode::Profile::Smg,
                     m,
                 },
             });

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::io::RankIo;
+use super::placement;
 use super::upstream::{EngineSnapshot, ReplayEnd, ReplaySource};
 use super::wire::{self, Epoch, Reply};
 
@@ -104,7 +105,7 @@ impl ZmqReplay<'_> {
     }
 }
 
-/// Reads a snapshot reply `["", cut (8, signed BE), uuid (16), chunk, …]` (vLLM #57789).
+/// Reads vLLM #57789's snapshot reply `["", cut (8, signed BE), uuid (16), chunk, …]`.
 fn snapshot_reply(frames: Vec<Vec<u8>>) -> EngineSnapshot {
     let mut it = frames.into_iter();
     let (Some(empty), Some(cut), Some(uuid)) = (it.next(), it.next(), it.next()) else {
@@ -146,24 +147,36 @@ impl ReplaySource for ZmqReplay<'_> {
             }
         };
         tracing::info!(endpoint, "requesting the engine's snapshot");
-        // A REQ's envelope: the engine echoes everything up to the empty frame.
+        // vLLM #57789 answers any request body; SGLang #34407 wants `snapshot-v2`. The first
+        // message tells which answered.
         if dealer
-            .send_multipart([&b""[..], &b"snapshot"[..]], 0)
+            .send_multipart([&b""[..], &b"snapshot-v2"[..]], 0)
             .is_err()
         {
             return EngineSnapshot::Unavailable("request not sent");
         }
-        let deadline = Instant::now() + self.io.replay_timeout;
+        let mut v2: Option<placement::Reader> = None;
+        let mut deadline = Instant::now() + self.io.replay_timeout;
         loop {
             match self.wait(&dealer, deadline, live) {
-                Wait::Ready => {
-                    if let Ok(frames) = dealer.recv_multipart(zmq::DONTWAIT) {
-                        return snapshot_reply(frames);
-                    }
-                }
-                Wait::Pending => {}
+                Wait::Ready => {}
+                Wait::Pending => continue,
                 Wait::TimedOut => return EngineSnapshot::Unavailable("no reply in time"),
                 Wait::Aborted => return EngineSnapshot::Unavailable("shutting down"),
+            }
+            while let Ok(frames) = dealer.recv_multipart(zmq::DONTWAIT) {
+                let reader = match &mut v2 {
+                    Some(r) => r,
+                    None if placement::is_v2(&frames) => v2.insert(placement::Reader::new(
+                        self.io.rank.rank,
+                        self.io.tokens_required,
+                    )),
+                    None => return snapshot_reply(frames),
+                };
+                if let Some(done) = reader.feed(&frames) {
+                    return done;
+                }
+                deadline = Instant::now() + self.io.replay_timeout;
             }
         }
     }

@@ -45,7 +45,7 @@ pub struct Epoch(pub u128);
 impl Epoch {
     /// SGLang's epoch text: four CRC-32C of it, each over a different one-byte prefix (a stable
     /// 128-bit fingerprint; two epochs of one worker colliding would take 2^-64 luck).
-    fn of_text(text: &[u8]) -> Epoch {
+    pub(crate) fn of_text(text: &[u8]) -> Epoch {
         let mut v: u128 = 0;
         for salt in 0u8..4 {
             let c = crc32c::crc32c_append(crc32c::crc32c(&[salt]), text);

@@ -4,6 +4,10 @@
 //! snapshot's chunks, then the live batches after its cut — and the rank is exact again. The
 //! simulated engine answers as the PR's recorder does (`[cut, uuid, chunk, …]`, chunks a replay
 //! program of its batches; `-2` when unavailable).
+//!
+//! SGLang #34407's placement snapshot (`snapshot-v2`, unmerged; `sgl-project/sglang` @
+//! 3536c7c) is taken the same way; its state has no tokens, so it restores hash-only consumers
+//! (`--profile all`) and is declined under `--profile smg`.
 
 use crate::common;
 
@@ -18,10 +22,20 @@ use kvbridge_tools::sim::{Identity, Layout, SimEvent};
 const T: Duration = Duration::from_secs(30);
 
 /// What the engine holds, as its batches built it.
-#[derive(Default)]
 struct Truth {
     live: BTreeSet<u64>,
     seed: u64,
+    layout: Layout,
+}
+
+impl Default for Truth {
+    fn default() -> Self {
+        Truth {
+            live: BTreeSet::new(),
+            seed: 0,
+            layout: Layout::Vllm033,
+        }
+    }
 }
 
 impl Truth {
@@ -46,7 +60,7 @@ impl Truth {
                 });
             }
             prev = Some(hashes.clone());
-            e.publish(Layout::Vllm033, events, 0);
+            e.publish(self.layout, events, 0);
         }
     }
 }
@@ -230,5 +244,95 @@ fn an_engine_restart_while_kvbridge_was_down_bootstraps_from_the_snapshot() {
         "{page}"
     );
     assert_eq!(held(&replay_ep), truth.live, "the new incarnation's state");
+    drop(b);
+}
+
+/// An SGLang worker on #34407's wire (its epoch in the topic) with a replay buffer of 10 batches
+/// and its placement snapshot service open; returns it and the snapshot endpoint.
+fn sglang_worker() -> (Engine, String) {
+    let e = Engine::start(0);
+    let snap = e.with(move |p| {
+        p.identity = Some(Identity::SglangEpoch("epoch-1".into()));
+        p.set_buffer_steps(10);
+        p.serve_placements_at("tcp://127.0.0.1:*").unwrap()
+    });
+    (e, snap)
+}
+
+/// kvbridge started after an SGLang worker's replay buffer wrapped takes the worker's placement
+/// snapshot (barrier, header, chunks, end): hash-only consumers hold the worker's state, the
+/// rank is exact, and the live batches after the barrier follow.
+#[test]
+fn a_late_start_past_an_sglang_workers_buffer_bootstraps_from_its_placement_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, snap) = sglang_worker();
+    let mut truth = Truth {
+        layout: Layout::Sglang0523,
+        ..Truth::default()
+    };
+    truth.publish(&e, 40);
+    let (b, maddr, replay_ep) = bridge(dir.path(), &e, &snap);
+    let page = wait_metrics(maddr, T, |p| outcome(p, "snapshot") >= 1.0);
+    assert_eq!(outcome(&page, "snapshot_unavailable"), 0.0, "{page}");
+    assert_eq!(
+        metric(&page, "kvbridge_rank_exact", &[("rank", "0")]),
+        1.0,
+        "a snapshot makes the rank exact:\n{page}"
+    );
+    assert_eq!(held(&replay_ep), truth.live, "the placement state");
+    e.wait_subscribed();
+    truth.publish(&e, 5);
+    let want = truth.live.clone();
+    common::eventually("the live batches after the barrier", T, || {
+        let h = held(&replay_ep);
+        if h == want {
+            Ok(())
+        } else {
+            Err(h.len())
+        }
+    });
+    let page = common::scrape(maddr);
+    assert_eq!(
+        metric(
+            &page,
+            "kvbridge_synthesized_clears_total",
+            &[("rank", "0"), ("cause", "missing_history")]
+        ),
+        1.0,
+        "one clear, the snapshot's:\n{page}"
+    );
+    assert_eq!(
+        metric(&page, "kvbridge_engine_restarts_total", &[("rank", "0")]),
+        0.0,
+        "the barrier's epoch is the snapshot's:\n{page}"
+    );
+    drop(b);
+}
+
+/// Under `--profile smg` a state without tokens cannot rebuild an SMG consumer: kvbridge declines
+/// the placement snapshot and the rank says its history is missing.
+#[test]
+fn the_smg_profile_declines_an_sglang_placement_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (e, snap) = sglang_worker();
+    let mut truth = Truth {
+        layout: Layout::Sglang0523,
+        ..Truth::default()
+    };
+    truth.publish(&e, 40);
+    let mut args = base_args(&[&e]);
+    let at = args.iter().position(|a| a == "all").expect("--profile all");
+    args[at] = "smg".into();
+    args.extend(["--engine-snapshot".to_string(), snap]);
+    let (b, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
+    let page = wait_metrics(maddr, T, |p| {
+        outcome(p, "snapshot_unavailable") >= 1.0
+            && metric(
+                p,
+                "kvbridge_rank_degraded",
+                &[("rank", "0"), ("cause", "missing_history")],
+            ) == 1.0
+    });
+    assert_eq!(outcome(&page, "snapshot"), 0.0, "{page}");
     drop(b);
 }

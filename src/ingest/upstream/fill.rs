@@ -261,7 +261,6 @@ impl RankState {
         at_cut: Option<u32>,
         handoff: &mut dyn Handoff,
     ) {
-        self.m.replay("snapshot");
         self.clear(handoff, cut, ClearCause::MissingHistory);
         for (i, c) in chunks.iter().enumerate() {
             let d = match at_cut {
@@ -280,6 +279,9 @@ impl RankState {
         self.proven_by_replay = true;
         self.epoch = Some(epoch);
         self.m.last_seq.set(cut as i64);
+        // Counted once the state is in place and the rank exact, so that a reader who sees the
+        // count sees the rank's restored freshness too.
+        self.m.replay("snapshot");
     }
 
     /// After a fill: live batches beyond the buffer fail it in band (the buffered ones are

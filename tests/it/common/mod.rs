@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use kvbridge::proto::common::{kv_cache_event::Data, KvEventBatch, SubscribeKvEventsRequest};
 use kvbridge::proto::vllm::grpc::engine::vllm_engine_client::VllmEngineClient;
-use kvbridge_tools::sim::{encode_batch, EnginePublisher, Layout, SimEvent, Workload};
+use kvbridge_tools::sim::{EnginePublisher, Layout, SimEvent, Workload};
 
 /// A TCP port on loopback that was free a moment ago (bound and released): another process
 /// can take it before the caller binds it. Only for a peer that cannot bind port 0 and say
@@ -214,7 +214,7 @@ impl Engine {
     /// Publishes one batch of `events` in `layout`, stamped with the wall clock as the engines
     /// stamp theirs (so two incarnations never send the same bytes); returns its engine seq.
     pub fn publish(&self, layout: Layout, events: Vec<SimEvent>, rank: u32) -> u64 {
-        self.with(move |p| p.publish(encode_batch(layout, now_ts(), &events, rank)))
+        self.with(move |p| p.publish_events(layout, now_ts(), &events, rank))
     }
 }
 

@@ -11,6 +11,7 @@
 //! an occasional `AllBlocksCleared`.
 
 mod encode;
+mod placement;
 
 use std::collections::VecDeque;
 
@@ -40,6 +41,11 @@ pub struct EnginePublisher {
     /// Answer snapshot requests `-2` (unavailable), as the PR's recorder does once a budget
     /// turned it off.
     pub snapshot_unavailable: bool,
+    /// SGLang #34407's placement snapshot service, once opened
+    /// ([`serve_placements_at`](Self::serve_placements_at)).
+    placements: Option<placement::Placements>,
+    /// The last snapshot barrier's number.
+    barrier_id: u64,
 }
 
 /// A publisher identity as the engines' next wire carries it (both unmerged; kvbridge's
@@ -130,6 +136,8 @@ impl EnginePublisher {
             snapshot: None,
             history: Vec::new(),
             snapshot_unavailable: false,
+            placements: None,
+            barrier_id: 0,
         })
     }
 
@@ -180,13 +188,19 @@ impl EnginePublisher {
 
     /// Publishes a batch with the next seq; returns that seq.
     pub fn publish(&mut self, payload: Vec<u8>) -> u64 {
-        self.publish_inner(payload, true)
+        self.publish_inner(payload, true, None)
+    }
+
+    /// Publishes SGLang #34407's snapshot barrier: `payload` with the next seq, its topic
+    /// carrying `\0sgl-kv-snapshot=<barrier_id>` after the epoch.
+    fn publish_barrier(&mut self, payload: Vec<u8>, barrier_id: &str) -> u64 {
+        self.publish_inner(payload, true, Some(barrier_id))
     }
 
     /// Consumes a seq and buffers the batch for replay without sending it: a batch the network
     /// (a full HWM) dropped.
     pub fn publish_dropped(&mut self, payload: Vec<u8>) -> u64 {
-        self.publish_inner(payload, false)
+        self.publish_inner(payload, false, None)
     }
 
     /// Consumes a seq without sending or buffering anything: a batch the engine failed to encode.
@@ -200,7 +214,7 @@ impl EnginePublisher {
         self.publisher.send_multipart(frames, 0)
     }
 
-    fn publish_inner(&mut self, payload: Vec<u8>, send: bool) -> u64 {
+    fn publish_inner(&mut self, payload: Vec<u8>, send: bool, barrier: Option<&str>) -> u64 {
         let seq = self.seq;
         self.seq += 1;
         if send {
@@ -213,6 +227,10 @@ impl EnginePublisher {
                     topic.extend_from_slice(b"\0sgl-kv-epoch=");
                     topic.extend_from_slice(e.as_bytes());
                 }
+            }
+            if let Some(b) = barrier {
+                topic.extend_from_slice(b"\0sgl-kv-snapshot=");
+                topic.extend_from_slice(b.as_bytes());
             }
             let _ = self
                 .publisher
@@ -235,6 +253,9 @@ impl EnginePublisher {
         self.seq = 0;
         self.buffer.clear();
         self.history.clear();
+        if let Some(p) = &mut self.placements {
+            p.clear();
+        }
     }
 
     /// Binds vLLM #57789's snapshot ROUTER at `endpoint` (unmerged; kvbridge's
@@ -281,6 +302,7 @@ impl EnginePublisher {
     /// Returns the number of requests answered.
     pub fn serve_replay(&mut self) -> usize {
         self.serve_snapshots();
+        self.serve_placements();
         let Some(router) = &self.router else { return 0 };
         let mut answered = 0;
         while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
