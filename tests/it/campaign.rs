@@ -16,7 +16,9 @@
 //!   as a gateway that lost its connection), that joins again from 0 with snapshots when told to;
 //! - a late joiner with snapshots, new at every check;
 //! - the engine-wire re-publish (`--publish-zmq-replay`) replayed from 0 (the consumer restarted
-//!   from nothing at every check), decoded by kvbridge's decoder.
+//!   from nothing at every check), decoded by kvbridge's decoder;
+//! - a shm reader of the ring file, new at every check: the checkpoint beside the ring, then the
+//!   ring's records after its cut.
 //!
 //! A silent divergence (the rank `exact` and a consumer's blocks not the engine's, or a consumer
 //! that went from exact to degraded without being told) fails the run with the seed, the schedule
@@ -178,6 +180,8 @@ pub struct Tally {
     /// Checks at which the rank was degraded, by causes.
     pub degraded: std::collections::BTreeMap<String, u64>,
     pub checks: u64,
+    /// Exact checks at which each consumer was compared with the engine.
+    pub compared: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// The consumers' block sets, by hash (as SMG keys them).
@@ -520,13 +524,61 @@ impl Run {
             .clone()
             .expect("replay bound");
         let wire = replay(&ctx, &ep, 0)?;
-        Ok(vec![
+        let mut consumers = vec![
             ("late joiner with snapshots", joiner),
             (
                 "engine-wire replay from 0",
                 common::real_engine::block_set(&engine_ops(&wire)),
             ),
-        ])
+        ];
+        if let Some(b) = self.shm_reader()? {
+            consumers.push(("shm reader (checkpoint, then the ring)", b));
+        }
+        Ok(consumers)
+    }
+
+    /// The ring file as a reader in another process sees it (`kvbridge tail --shm --snapshot`,
+    /// the Python and C readers): the checkpoint beside it (the block table at its cut), then the
+    /// ring's records after the cut; without a checkpoint yet, the ring from its first record.
+    /// `None` when neither is there to read (no checkpoint, and the ring no longer holds its
+    /// first record).
+    fn shm_reader(&self) -> Result<Option<Blocks>, String> {
+        use kvbridge_shm::{ReadOutcome, RingReader};
+        use prost::Message;
+        let decode = |b: &[u8]| KvEventBatch::decode(b).map_err(|e| format!("shm reader: {e}"));
+        let mut reader = RingReader::open(&self.ring).map_err(|e| format!("shm reader: {e}"))?;
+        let mut blocks = Blocks::new();
+        let start = match kvbridge::snapshot::from_checkpoint(&self.ring) {
+            Ok(c) => {
+                let chunks = c.chunks.iter().map(|b| decode(b));
+                apply(&mut blocks, &chunks.collect::<Result<Vec<_>, _>>()?);
+                c.cut + 1
+            }
+            Err(_) if reader.oldest() <= 1 => reader.oldest(),
+            Err(_) => return Ok(None),
+        };
+        if start > reader.newest() {
+            return Ok(Some(blocks));
+        }
+        if reader.seek(start).is_err() {
+            // The ring moved past the checkpoint's cut meanwhile (a burst): nothing to compare.
+            return Ok(None);
+        }
+        let mut buf = Vec::new();
+        loop {
+            match reader.next() {
+                ReadOutcome::Record(v) => {
+                    if !v.copy_to(&mut buf) {
+                        return Ok(None);
+                    }
+                    apply(&mut blocks, &[decode(&buf)?]);
+                }
+                ReadOutcome::Empty | ReadOutcome::WriterGone => return Ok(Some(blocks)),
+                // (a burst lapped the reader, or a restart made a new ring, while it read)
+                ReadOutcome::Lapped { .. } | ReadOutcome::RingReset { .. } => return Ok(None),
+                other => return Err(format!("shm reader: {other:?}")),
+            }
+        }
     }
 
     /// The invariant (module doc). `Err` describes a silent divergence. Consumers are read again
@@ -538,14 +590,17 @@ impl Run {
         let want: Blocks = common::real_engine::block_set(&engine_ops(&truth));
         self.wait_applied(truth.last().map(|b| b.0));
         let deadline = Instant::now() + SETTLE;
+        let mut names = Vec::new();
         let (causes, fails) = loop {
             self.resume_subscriber()?;
             let causes = self.causes();
             let mut fails = Vec::new();
+            names.clear();
             if causes.is_empty() {
                 let mut consumers = vec![("resumed gRPC subscriber", self.sub.blocks.clone())];
                 consumers.extend(self.fresh_consumers()?);
                 for (name, got) in consumers {
+                    names.push(name);
                     if got != want {
                         fails.push(format!(
                             "{name}: {} blocks, the engine holds {}: {} missing, {} stale (rank exact on /health)",
@@ -564,6 +619,9 @@ impl Run {
         };
         let mut fails = fails;
         let exact = causes.is_empty();
+        for name in names {
+            *self.tally.compared.entry(name).or_default() += 1;
+        }
         if !exact {
             *self.tally.degraded.entry(causes.join("+")).or_default() += 1;
             if self.was_exact && !self.sub.told {
@@ -629,13 +687,14 @@ pub fn run(sched: Schedule) -> Tally {
         );
     }
     eprintln!(
-        "campaign seed {}: {} steps, {} checks, {:.0} s; faults {:?}; degraded checks {:?}",
+        "campaign seed {}: {} steps, {} checks, {:.0} s; faults {:?}; degraded checks {:?}; consumers compared {:?}",
         sched.seed,
         run.tally.steps,
         run.tally.checks,
         t0.elapsed().as_secs_f64(),
         run.tally.faults,
-        run.tally.degraded
+        run.tally.degraded,
+        run.tally.compared
     );
     run.tally
 }
@@ -716,14 +775,28 @@ fn seeded_schedules(engine: EngineKind, default: &[u64]) {
         .ok()
         .and_then(|m| m.parse::<u64>().ok())
         .map(|m| Instant::now() + Duration::from_secs(m * 60));
+    // A long run goes on past a failing seed and reports every one at the end.
+    let keep_going = std::env::var_os("KVBRIDGE_CAMPAIGN_KEEP_GOING").is_some();
     let mut total = Tally::default();
     let mut schedules = 0;
+    let mut failed = Vec::new();
     for seed in seeds(default) {
         if deadline.is_some_and(|d| Instant::now() > d) {
             break;
         }
-        let t = run(Schedule::draw(engine, seed, max_steps));
+        let sched = Schedule::draw(engine, seed, max_steps);
         schedules += 1;
+        let t = if keep_going {
+            match std::panic::catch_unwind(|| run(sched)) {
+                Ok(t) => t,
+                Err(_) => {
+                    failed.push(seed);
+                    continue;
+                }
+            }
+        } else {
+            run(sched)
+        };
         total.steps += t.steps;
         total.checks += t.checks;
         for (k, v) in t.faults {
@@ -732,10 +805,17 @@ fn seeded_schedules(engine: EngineKind, default: &[u64]) {
         for (k, v) in t.degraded {
             *total.degraded.entry(k).or_default() += v;
         }
+        for (k, v) in t.compared {
+            *total.compared.entry(k).or_default() += v;
+        }
     }
     eprintln!(
-        "campaign total ({engine:?}): {schedules} schedules, {} steps, {} checks, 0 silent divergences; faults {:?}; degraded checks by causes {:?}",
-        total.steps, total.checks, total.faults, total.degraded
+        "campaign total ({engine:?}): {schedules} schedules ({} passed), {} steps, {} checks; faults {:?}; degraded checks by causes {:?}; consumers compared at exact checks {:?}; failed seeds {failed:?}",
+        schedules - failed.len(), total.steps, total.checks, total.faults, total.degraded, total.compared
+    );
+    assert!(
+        failed.is_empty(),
+        "failed seeds (each printed its schedule above): {failed:?}"
     );
 }
 
