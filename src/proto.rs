@@ -57,6 +57,10 @@ pub struct EngineService {
     pub service: &'static str,
     /// HTTP/2 path of its `SubscribeKvEvents` method.
     pub path: &'static str,
+    /// Its other methods, as SMG's published stubs define them (PyPI `smg-grpc-proto` 0.4.28;
+    /// `tests/it/interop.rs` checks this list against the package): the calls a sidecar forwards
+    /// to the engine, each a `method` label of `kvbridge_proxy_calls_total` from the start.
+    pub methods: &'static [&'static str],
 }
 
 /// The four engine services on which `SubscribeKvEvents` is served, identically
@@ -67,23 +71,81 @@ pub const ENGINE_SERVICES: [EngineService; 4] = [
         engine: "vllm",
         service: "vllm.grpc.engine.VllmEngine",
         path: "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents",
+        methods: &[
+            "Generate",
+            "Embed",
+            "HealthCheck",
+            "FlushCache",
+            "StartProfile",
+            "StopProfile",
+            "Abort",
+            "GetModelInfo",
+            "GetServerInfo",
+            "GetLoads",
+            "GetTokenizer",
+        ],
     },
     EngineService {
         engine: "sglang",
         service: "sglang.grpc.scheduler.SglangScheduler",
         path: "/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents",
+        methods: &[
+            "Generate",
+            "Embed",
+            "HealthCheck",
+            "Abort",
+            "GetModelInfo",
+            "GetServerInfo",
+            "GetLoads",
+            "FlushCache",
+            "StartProfile",
+            "StopProfile",
+            "GetTokenizer",
+            "LoadLoRAAdapter",
+            "UnloadLoRAAdapter",
+            "ListLoadedLoRAAdapters",
+        ],
     },
     EngineService {
         engine: "tokenspeed",
         service: "tokenspeed.grpc.scheduler.TokenSpeedScheduler",
         path: "/tokenspeed.grpc.scheduler.TokenSpeedScheduler/SubscribeKvEvents",
+        methods: &[
+            "Generate",
+            "HealthCheck",
+            "Abort",
+            "GetModelInfo",
+            "GetServerInfo",
+            "GetLoads",
+            "FlushCache",
+            "StartProfile",
+            "StopProfile",
+            "GetTokenizer",
+        ],
     },
     EngineService {
         engine: "trtllm",
         service: "trtllm.TrtllmService",
         path: "/trtllm.TrtllmService/SubscribeKvEvents",
+        methods: &[
+            "Generate",
+            "Embed",
+            "HealthCheck",
+            "Abort",
+            "GetModelInfo",
+            "GetServerInfo",
+            "GetTokenizer",
+        ],
     },
 ];
+
+/// The HTTP/2 path of every method of the engine services but `SubscribeKvEvents`: what a
+/// sidecar forwards by name (any other path is `other` in its metrics).
+pub fn forwarded_methods() -> impl Iterator<Item = String> {
+    ENGINE_SERVICES
+        .iter()
+        .flat_map(|s| s.methods.iter().map(move |m| format!("/{}/{m}", s.service)))
+}
 
 /// The entry of [`ENGINE_SERVICES`] named `engine` (`vllm`, `sglang`, …).
 pub fn engine_service(engine: &str) -> Option<&'static EngineService> {

@@ -537,9 +537,11 @@ impl OnRead for SettingsWatch {
     }
 }
 
-/// Serves one call with tonic `routes` (kvbridge's own services: health, reflection, and
-/// `SubscribeKvEvents` in sidecar mode): the client's stream as the request body, the route's
-/// response piped back with flow control.
+/// Serves one call with tonic `routes`: kvbridge's own services other than `SubscribeKvEvents`
+/// (health, reflection, and `UNIMPLEMENTED` for the engine services' other methods when there is
+/// no engine behind kvbridge); `SubscribeKvEvents` never reaches here, the connection loop serves
+/// it. The client's stream is the request body; the route's response is piped back with flow
+/// control.
 pub(crate) async fn serve_routes(
     routes: tonic::service::Routes,
     req: http::Request<h2::RecvStream>,

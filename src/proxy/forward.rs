@@ -42,19 +42,19 @@ pub(crate) async fn forward(
     let method = super::method_label(req.uri().path());
     let (mut parts, body) = req.into_parts();
     if let Err(status) = to_engine(upstream, &mut parts) {
-        return finish_early(metrics, &method, respond, status);
+        return finish_early(metrics, method, respond, status);
     }
     let down = match engine_down(upstream.state()) {
         Ok(down) => down,
-        Err(status) => return finish_early(metrics, &method, respond, status),
+        Err(status) => return finish_early(metrics, method, respond, status),
     };
     let mut down = std::pin::pin!(down);
     let end = body.is_end_stream();
     let opened = open_call(upstream, budget, &parts, end, &mut respond, down.as_mut()).await;
     let (share, response, up_send, lease) = match opened {
         Ok(opened) => opened,
-        Err(Early::Cancelled) => return CallRecord::count(metrics, &method, "cancelled"),
-        Err(Early::Answer(status)) => return finish_early(metrics, &method, respond, status),
+        Err(Early::Cancelled) => return CallRecord::count(metrics, method, "cancelled"),
+        Err(Early::Answer(status)) => return finish_early(metrics, method, respond, status),
     };
     // Until the engine answers, leaving resets the engine's stream: counted on its connection.
     let unanswered = Unanswered(Some((lease, upstream.address())));
@@ -73,8 +73,8 @@ pub(crate) async fn forward(
     };
     let resp = match engine_headers(upstream, &mut respond, down.as_mut(), &mut flow).await {
         Ok(resp) => resp,
-        Err(Early::Cancelled) => return CallRecord::count(metrics, &method, "cancelled"),
-        Err(Early::Answer(status)) => return finish_early(metrics, &method, respond, status),
+        Err(Early::Cancelled) => return CallRecord::count(metrics, method, "cancelled"),
+        Err(Early::Answer(status)) => return finish_early(metrics, method, respond, status),
     };
     metrics
         .headers_latency
@@ -218,7 +218,7 @@ async fn engine_headers(
 async fn relay(
     upstream: &Upstream,
     metrics: &Arc<ProxyMetrics>,
-    method: String,
+    method: &'static str,
     resp: Response<h2::RecvStream>,
     respond: &mut h2::server::SendResponse<Bytes>,
     mut flow: Flow<'_>,
@@ -449,7 +449,7 @@ fn status_of_reset(r: h2::Reason, engine: &str) -> Status {
 /// Counts a call once, when it ends (or is dropped: the client went away).
 struct CallRecord {
     metrics: Arc<ProxyMetrics>,
-    method: String,
+    method: &'static str,
     status: Option<i32>,
 }
 
@@ -468,7 +468,7 @@ impl CallRecord {
 
 impl Drop for CallRecord {
     fn drop(&mut self) {
-        Self::count(&self.metrics, &self.method, self.label());
+        Self::count(&self.metrics, self.method, self.label());
     }
 }
 

@@ -9,8 +9,9 @@ use crate::metrics::Metrics;
 /// Metrics of sidecar mode: calls forwarded to the engine's gRPC server. Registered in every
 /// mode (all zero without `--engine-grpc`), so dashboards need no second variant.
 pub struct ProxyMetrics {
-    /// Forwarded calls, by method (`/package.Service/Method`, or `other`) and final gRPC status
-    /// (`cancelled` also for a client that went away).
+    /// Forwarded calls, by method (`/package.Service/Method` of the engine services, each at 0
+    /// from the start, or `other`) and final gRPC status (`cancelled` also for a client that went
+    /// away).
     pub calls: IntCounterVec,
     /// HTTP/2 connections to the engine currently open.
     pub connections: IntGauge,
@@ -44,12 +45,18 @@ impl ProxyMetrics {
             m.histogram(name, help, buckets)
         };
         let int_gauge = |name: &str, help: &str| m.gauge(name, help);
+        let calls = m.counter_vec(
+            "proxy_calls_total",
+            "Calls forwarded to the engine, by method (the engine services' methods, or other) and final gRPC status",
+            &["method", "code"],
+        );
+        // Every method's series at 0 from the start (with the code of a call that succeeded),
+        // so that a rate over them is defined before the first call.
+        for method in crate::proto::forwarded_methods().chain(["other".to_string()]) {
+            calls.with_label_values(&[method.as_str(), "ok"]);
+        }
         ProxyMetrics {
-            calls: m.counter_vec(
-                "proxy_calls_total",
-                "Calls forwarded to the engine, by method and final gRPC status",
-                &["method", "code"],
-            ),
+            calls,
             connections: int_gauge(
                 "proxy_upstream_connections",
                 "HTTP/2 connections to the engine open",

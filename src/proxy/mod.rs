@@ -99,7 +99,6 @@ pub struct Sidecar {
     runtime: ProxyRuntime,
 }
 
-/// Where the sidecar's tasks run: a runtime of its own on one thread (`kvbridge-proxy`); see
 /// Sidecar mode could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -111,6 +110,7 @@ pub enum ProxyError {
     Runtime(#[source] std::io::Error),
 }
 
+/// Where the sidecar's tasks run: a runtime of its own on one thread (`kvbridge-proxy`); see
 /// "Why one thread" in the module docs.
 struct ProxyRuntime {
     handle: tokio::runtime::Handle,
@@ -347,7 +347,7 @@ impl Sidecar {
                 headers.admit(req).inspect_err(|_| {
                     metrics
                         .calls
-                        .with_label_values(&[&method_label(req.uri().path()), "resource_exhausted"])
+                        .with_label_values(&[method_label(req.uri().path()), "resource_exhausted"])
                         .inc();
                 })
             }),
@@ -482,34 +482,15 @@ pub(crate) fn code_name(c: Code) -> &'static str {
     }
 }
 
-/// Most distinct `method` label values kept; later new paths count as `other`, so a client
-/// sending random paths cannot grow the metrics without bound.
-const MAX_METHOD_LABELS: usize = 256;
-
-/// The `method` label of a forwarded call: its path (`/package.Service/Method`), or `other`.
-pub(crate) fn method_label(path: &str) -> String {
-    static SEEN: std::sync::OnceLock<parking_lot::Mutex<HashSet<String>>> =
-        std::sync::OnceLock::new();
-    let well_formed = path.len() <= 200
-        && path.starts_with('/')
-        && path[1..].split_once('/').is_some_and(|(svc, m)| {
-            !svc.is_empty()
-                && !m.is_empty()
-                && svc
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_')
-                && m.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-        });
-    if !well_formed {
-        return "other".into();
-    }
-    let mut seen = SEEN.get_or_init(Default::default).lock();
-    if seen.contains(path) || seen.len() < MAX_METHOD_LABELS {
-        seen.insert(path.to_string());
-        path.to_string()
-    } else {
-        "other".into()
-    }
+/// The `method` label of a forwarded call: its path when it is a method of the engine services
+/// ([`crate::proto::ENGINE_SERVICES`], created at zero with the metrics), else `other`, so that
+/// the series are known from the start and a client sending random paths adds none.
+pub(crate) fn method_label(path: &str) -> &'static str {
+    static KNOWN: std::sync::OnceLock<HashSet<String>> = std::sync::OnceLock::new();
+    KNOWN
+        .get_or_init(|| crate::proto::forwarded_methods().collect())
+        .get(path)
+        .map_or("other", String::as_str)
 }
 
 #[cfg(test)]
@@ -537,6 +518,15 @@ mod tests {
             method_label("/vllm.grpc.engine.VllmEngine/Generate"),
             "/vllm.grpc.engine.VllmEngine/Generate"
         );
+        assert_eq!(
+            method_label("/sglang.grpc.scheduler.SglangScheduler/LoadLoRAAdapter"),
+            "/sglang.grpc.scheduler.SglangScheduler/LoadLoRAAdapter"
+        );
+        assert_eq!(
+            method_label("/vllm.grpc.engine.VllmEngine/Unknown"),
+            "other"
+        );
+        assert_eq!(method_label("/mlx.grpc.engine.MlxEngine/Generate"), "other");
         assert_eq!(method_label("/no-method"), "other");
         assert_eq!(method_label("/a b/c"), "other");
     }

@@ -8,7 +8,7 @@
 //! | `<ring>.snapshot` | the snapshot table (`crate::snapshot`) | the table's checkpoint (src/snapshot/LAYOUT.md) |
 //! | `<ring>.snapshot.tmp.<pid>` | the snapshot table, while writing a checkpoint | renamed over `<ring>.snapshot` |
 //!
-//! and with `--dp-rank-metadata` one ring per rank, `<shm>-rank<r>`, with the same files beside
+//! and with `--dp-mode metadata` one ring per rank, `<shm>-rank<r>`, with the same files beside
 //! it. Every name is derived here and every removal happens here, so that a ring removed on a
 //! reset or by the demo leaves nothing behind on tmpfs (which is memory).
 

@@ -1,5 +1,5 @@
 //! Every ring one bridge writes, opened together: the merged ring at `--shm` and, with
-//! `--dp-rank-metadata`, one ring per DP rank beside it ([`RingFiles::rank`]).
+//! `--dp-mode metadata`, one ring per DP rank beside it ([`RingFiles::rank`]).
 //!
 //! Opening the set is all-or-nothing: a ring this start created (rather than adopted) is removed
 //! again, with everything beside it, if a later ring — or a later part of the service — fails,
@@ -18,7 +18,7 @@ pub struct RingSet {
     pub merged: Arc<RingHub>,
     /// What the merged ring held when it was opened (each rank's last batch, writer notes).
     pub recovered: Recovered,
-    /// Rank r's own ring at index r (`--dp-rank-metadata`; empty otherwise).
+    /// Rank r's own ring at index r (`--dp-mode metadata`; empty otherwise).
     pub rank_hubs: Vec<Arc<RingHub>>,
     /// Whether rank r's ring was adopted, at index r.
     pub rank_adopted: Vec<bool>,

@@ -253,6 +253,11 @@ def compare_descriptors(proto_dir):
         fdp = to_proto(mod.DESCRIPTOR)
         for s in fdp.service:
             theirs_services[f"{fdp.package}.{s.name}" if fdp.package else s.name] = s
+    # Every method of the package's services, for the Rust side's list of what a sidecar
+    # forwards (`ENGINE_SERVICES` in src/proto.rs).
+    for full in sorted(theirs_services):
+        names = ",".join(m.name for m in theirs_services[full].method)
+        print(f"methods: {full} {names}")
     for f in ours_files.values():
         for s in f.service:
             full = f"{f.package}.{s.name}" if f.package else s.name

@@ -67,6 +67,20 @@ fn our_proto_matches_the_published_smg_descriptors() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(", 0 mismatches"), "{text}");
+    // The methods a sidecar forwards by name (each a metric label from the start) are the
+    // package's: every method of each engine service but `SubscribeKvEvents`.
+    for s in kvbridge::proto::ENGINE_SERVICES {
+        let line = format!("methods: {} ", s.service);
+        let theirs: std::collections::BTreeSet<&str> = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no methods of {} from the package:\n{text}", s.service))
+            .split(',')
+            .filter(|m| *m != "SubscribeKvEvents")
+            .collect();
+        let ours: std::collections::BTreeSet<&str> = s.methods.iter().copied().collect();
+        assert_eq!(ours, theirs, "{}'s methods", s.service);
+    }
 }
 
 // ----- expectation JSON: the same shape as `batch_dict` in smg_stubs.py -----

@@ -67,10 +67,32 @@ async fn unary_with_metadata_and_the_engines_own_health_checks() {
         metric(
             &page,
             "kvbridge_proxy_calls_total",
-            &[("method", "/any.pkg.Service/Echo"), ("code", "ok")]
+            &[("method", "other"), ("code", "ok")]
         ),
-        1.0
+        1.0,
+        "a method of no engine service is `other`"
     );
+    for (method, code) in [
+        ("/vllm.grpc.engine.VllmEngine/HealthCheck", "ok"),
+        ("/trtllm.TrtllmService/HealthCheck", "unimplemented"),
+        // created at 0 before any call
+        ("/sglang.grpc.scheduler.SglangScheduler/Generate", "ok"),
+    ] {
+        let want = if method.ends_with("Generate") {
+            0.0
+        } else {
+            1.0
+        };
+        assert_eq!(
+            metric(
+                &page,
+                "kvbridge_proxy_calls_total",
+                &[("method", method), ("code", code)]
+            ),
+            want,
+            "{method} {code}"
+        );
+    }
     assert!(metric(&page, "kvbridge_proxy_upstream_connections", &[]) >= 1.0);
     s.bridge.stop();
 }

@@ -29,6 +29,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use tokio::io::AsyncReadExt;
 
+use super::floor_msg::{clocked, stamp, Received, HEADER};
 use super::{proc_stats, Latency};
 
 /// How the floor's sender writes.
@@ -140,14 +141,6 @@ pub struct FloorResult {
     pub h2: Option<super::floor_h2::H2Counters>,
 }
 
-/// Size of a message's header: batch number and scheduled send time.
-pub(super) const HEADER: usize = 16;
-
-pub(super) fn stamp(msg: &mut [u8], seq: u64, scheduled: f64) {
-    msg[..8].copy_from_slice(&seq.to_le_bytes());
-    msg[8..16].copy_from_slice(&scheduled.to_le_bytes());
-}
-
 /// The floor's sender (`kvbridge bench-floor`): connects `connections` times to `addr`, then
 /// for `run` writes one `bytes`-long message per connection per batch at `rate` per second.
 pub fn run_sender(
@@ -170,32 +163,6 @@ pub fn run_sender(
         FloorSender::Tokio => with_tokio(socks, rate, bytes, run),
         FloorSender::H2Writev => super::floor_h2::h2_writev(socks, rate, bytes, run),
     }
-}
-
-/// Sleeps until each batch is due (no spinning: spinning would be charged to the floor) and
-/// calls `send(seq, scheduled unix seconds)`.
-pub(super) fn clocked(
-    rate: u64,
-    run: Duration,
-    mut send: impl FnMut(u64, f64) -> Result<(), String>,
-) -> Result<(), String> {
-    super::fine_timer_slack();
-    let start = Instant::now();
-    let wall0 = kvbridge::clock::unix_seconds();
-    let period_ns = 1e9 / rate.max(1) as f64;
-    for i in 0u64.. {
-        let offset = Duration::from_nanos((i as f64 * period_ns) as u64);
-        if offset > run {
-            break;
-        }
-        let due = start + offset;
-        let now = Instant::now();
-        if due > now {
-            std::thread::sleep(due - now);
-        }
-        send(i, wall0 + offset.as_secs_f64())?;
-    }
-    Ok(())
 }
 
 fn blocking(socks: Vec<TcpStream>, rate: u64, bytes: usize, run: Duration) -> Result<(), String> {
@@ -286,38 +253,6 @@ fn spawn_sender(addr: &str, cfg: &FloorConfig, run: Duration) -> Result<Child, S
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot start the floor's sender: {e}"))
-}
-
-/// What one receiving connection saw.
-pub(super) struct Received {
-    delivered: u64,
-    lost: u64,
-    last: Option<u64>,
-    hist: Histogram<u64>,
-}
-
-impl Received {
-    pub(super) fn new() -> Received {
-        Received {
-            delivered: 0,
-            lost: 0,
-            last: None,
-            hist: Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("bounds"),
-        }
-    }
-
-    /// One message (its batch number and scheduled send time first), received at `now`,
-    /// counted if `measuring`.
-    pub(super) fn note(&mut self, m: &[u8], now: f64, measuring: bool) {
-        let seq = u64::from_le_bytes(m[..8].try_into().expect("8 bytes"));
-        let ts = f64::from_le_bytes(m[8..16].try_into().expect("8 bytes"));
-        if measuring {
-            self.delivered += 1;
-            self.lost += self.last.map_or(0, |l| seq.saturating_sub(l + 1));
-            let _ = self.hist.record((((now - ts) * 1e9).max(1.0)) as u64);
-        }
-        self.last = Some(seq);
-    }
 }
 
 /// Reads fixed-size messages until EOF, counting those received while `measuring`.

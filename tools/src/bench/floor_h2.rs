@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
-use super::floor::{clocked, stamp, Received, HEADER};
+use super::floor_msg::{clocked, stamp, Received, HEADER};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const DATA: u8 = 0x0;

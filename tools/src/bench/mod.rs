@@ -14,6 +14,7 @@
 pub mod checkpoints;
 pub mod floor;
 pub mod floor_h2;
+mod floor_msg;
 pub mod nats;
 pub mod proc_stats;
 pub mod reader;
