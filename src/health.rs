@@ -121,6 +121,9 @@ impl Causes {
 }
 
 /// Connection state of every rank's publisher(s), shared by the rank threads and the health task.
+///
+/// Each atomic here is a value of its own: no other memory is published through one, so every
+/// access is `Relaxed` (a reader needs only that location's latest value, which coherence gives).
 pub struct UpstreamState {
     connected: Vec<AtomicI64>,
     /// Per rank: its [`Causes`] bits (0: exact).
@@ -147,7 +150,7 @@ impl UpstreamState {
     /// A publisher connection of `rank` came up.
     pub fn on_connect(&self, rank: u32) -> i64 {
         match self.connected.get(rank as usize) {
-            Some(c) => c.fetch_add(1, Ordering::AcqRel) + 1,
+            Some(c) => c.fetch_add(1, Ordering::Relaxed) + 1,
             None => 0,
         }
     }
@@ -155,15 +158,15 @@ impl UpstreamState {
     /// A publisher connection of `rank` went down.
     pub fn on_disconnect(&self, rank: u32) -> i64 {
         let ms = self.start.elapsed().as_millis() as u64 + 1;
-        self.last_disconnect_ms.fetch_max(ms, Ordering::AcqRel);
+        self.last_disconnect_ms.fetch_max(ms, Ordering::Relaxed);
         match self.connected.get(rank as usize) {
             Some(c) => {
                 // Never below zero: a DISCONNECTED without a matching CONNECTED (a handshake
                 // that failed half-way) must not hide a later connection.
-                let mut cur = c.load(Ordering::Acquire);
+                let mut cur = c.load(Ordering::Relaxed);
                 loop {
                     let next = (cur - 1).max(0);
-                    match c.compare_exchange(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                    match c.compare_exchange(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
                         Ok(_) => return next,
                         Err(v) => cur = v,
                     }
@@ -179,7 +182,7 @@ impl UpstreamState {
         self.freshness
             .get(rank as usize)
             .map_or(Causes::EXACT, |f| {
-                Causes(f.swap(causes.0, Ordering::AcqRel))
+                Causes(f.swap(causes.0, Ordering::Relaxed))
             })
     }
 
@@ -187,7 +190,7 @@ impl UpstreamState {
     pub fn causes(&self, rank: u32) -> Causes {
         self.freshness
             .get(rank as usize)
-            .map_or(Causes::EXACT, |f| Causes(f.load(Ordering::Acquire)))
+            .map_or(Causes::EXACT, |f| Causes(f.load(Ordering::Relaxed)))
     }
 
     /// The `/health` page: status, then one object per rank (connections, freshness). JSON.
@@ -205,7 +208,7 @@ impl UpstreamState {
                 let all: Vec<String> = causes.labels().iter().map(|l| format!("\"{l}\"")).collect();
                 format!(
                     "{{\"rank\":{r},\"connected\":{},\"freshness\":\"{state}\",\"cause\":{first},\"causes\":[{}]}}",
-                    self.connected[r].load(Ordering::Acquire),
+                    self.connected[r].load(Ordering::Relaxed),
                     all.join(",")
                 )
             })
@@ -227,7 +230,7 @@ impl UpstreamState {
     pub fn connected_ranks(&self) -> usize {
         self.connected
             .iter()
-            .filter(|c| c.load(Ordering::Acquire) > 0)
+            .filter(|c| c.load(Ordering::Relaxed) > 0)
             .count()
     }
 
@@ -239,7 +242,7 @@ impl UpstreamState {
 
     /// Whether the engine's gRPC server answers (`None` outside sidecar mode).
     pub fn engine_answers(&self) -> Option<bool> {
-        self.engine.get().map(|a| a.load(Ordering::Acquire))
+        self.engine.get().map(|a| a.load(Ordering::Relaxed))
     }
 
     /// SERVING: the event feed is healthy (below) and, in sidecar mode, the engine answers.
@@ -254,7 +257,7 @@ impl UpstreamState {
             return true;
         }
         let now = self.start.elapsed();
-        let since = match self.last_disconnect_ms.load(Ordering::Acquire) {
+        let since = match self.last_disconnect_ms.load(Ordering::Relaxed) {
             0 => now,
             ms => now.saturating_sub(Duration::from_millis(ms - 1)),
         };
@@ -382,7 +385,7 @@ mod tests {
         let engine = Arc::new(AtomicBool::new(false));
         s.gate_on_engine(engine.clone());
         assert!(!s.serving(Duration::ZERO), "engine silent");
-        engine.store(true, Ordering::Release);
+        engine.store(true, Ordering::Relaxed);
         assert!(s.serving(Duration::ZERO));
         s.on_disconnect(0);
         assert!(!s.serving(Duration::ZERO), "feed down");

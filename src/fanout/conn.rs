@@ -398,7 +398,7 @@ mod tests {
     struct Wakes(AtomicUsize);
     impl std::task::Wake for Wakes {
         fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
+            self.0.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -414,7 +414,7 @@ mod tests {
         wake.start(&task);
         conn.wake_by_ref();
         assert!(wake.finish(), "woken while polling: poll again");
-        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 0);
 
         wake.start(&task);
         conn.wake_by_ref();
@@ -423,7 +423,7 @@ mod tests {
 
         conn.wake_by_ref();
         assert_eq!(
-            wakes.0.load(Ordering::SeqCst),
+            wakes.0.load(Ordering::Relaxed),
             1,
             "between polls the task is woken"
         );

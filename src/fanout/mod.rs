@@ -130,6 +130,7 @@ pub struct Fanout {
     pub metrics: Arc<FanoutMetrics>,
     /// Subscriber limit.
     pub max_subscribers: usize,
+    /// Subscriptions open: a count of its own (nothing is published through it), `Relaxed`.
     active: AtomicUsize,
     shutdown: tokio::sync::watch::Receiver<bool>,
     /// Sidecar mode: the engine's load samples, interleaved as `load_only` records for
@@ -299,7 +300,7 @@ impl Fanout {
     /// Admission against the subscriber limit: counted first, then checked, so concurrent
     /// subscribes cannot overshoot. The guard gives the place back when the stream ends.
     fn admit(self: &Arc<Self>, path: &'static str) -> Result<ActiveGuard, Status> {
-        let n = self.active.fetch_add(1, Ordering::AcqRel) + 1;
+        let n = self.active.fetch_add(1, Ordering::Relaxed) + 1;
         let mut guard = ActiveGuard {
             fanout: self.clone(),
             path,
@@ -411,7 +412,7 @@ struct ActiveGuard {
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
-        self.fanout.active.fetch_sub(1, Ordering::AcqRel);
+        self.fanout.active.fetch_sub(1, Ordering::Relaxed);
         if self.gauge {
             self.fanout
                 .metrics

@@ -186,7 +186,7 @@ impl Ingest {
 
     /// Stops every rank thread and waits for it (each notices within ~100 ms).
     pub fn stop(self) {
-        self.stop.store(true, Ordering::SeqCst);
+        self.stop.store(true, Ordering::Relaxed);
         for t in self.threads {
             let _ = t.join();
         }

@@ -563,7 +563,7 @@ mod tests {
     struct Wakes(std::sync::atomic::AtomicUsize);
     impl std::task::Wake for Wakes {
         fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
+            self.0.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -604,7 +604,7 @@ mod tests {
         assert!(io.wbuf.len() == 4, "held, not written");
         assert!(io.as_mut().poll_flush(&mut cx).is_ready());
         assert_eq!(read(&mut peer, 4).await, b"abcd");
-        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 0);
 
         // Held: flushes keep the bytes until released (or the buffer is full).
         let hold = io.flush_hold();
@@ -627,6 +627,6 @@ mod tests {
         assert!(io.as_mut().poll_flush(&mut cx).is_ready());
         assert!(io.wbuf.is_empty());
         assert_eq!(read(&mut peer, 2).await, b"ij");
-        assert_eq!(wakes.0.load(Ordering::SeqCst), 0, "nothing wakes the task");
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 0, "nothing wakes the task");
     }
 }

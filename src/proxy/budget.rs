@@ -253,16 +253,16 @@ impl Drop for Share {
 /// walks the heap).
 fn trim_heap() {
     static PENDING: AtomicBool = AtomicBool::new(false);
-    if PENDING.swap(true, Ordering::AcqRel) {
+    if PENDING.swap(true, Ordering::Relaxed) {
         return;
     }
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        PENDING.store(false, Ordering::Release);
+        PENDING.store(false, Ordering::Relaxed);
         return;
     };
     rt.spawn(async {
         tokio::time::sleep(TRIM_DELAY).await;
-        PENDING.store(false, Ordering::Release);
+        PENDING.store(false, Ordering::Relaxed);
         let _ = tokio::task::spawn_blocking(kvbridge_sys::trim_heap).await;
     });
 }

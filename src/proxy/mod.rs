@@ -91,6 +91,7 @@ pub struct Sidecar {
     metrics: Arc<ProxyMetrics>,
     /// What client connections' forwarded streams may make kvbridge hold.
     budgets: budget::Budgets,
+    /// The probe's verdict: the engine's gRPC server answers. A flag of its own, `Relaxed`.
     answering: Arc<AtomicBool>,
     /// Set at the start of a shutdown: the listener closes at once (open streams drain).
     draining: tokio::sync::watch::Sender<bool>,
@@ -427,7 +428,7 @@ async fn probe(sidecar: std::sync::Weak<Sidecar>) {
             Ok(_) => true,
             Err(st) => !matches!(st.code(), Code::Unavailable | Code::DeadlineExceeded),
         };
-        s.answering.store(up, Ordering::Release);
+        s.answering.store(up, Ordering::Relaxed);
         s.metrics.engine_up.set(up as i64);
         s.upstream.set_state(match &answer {
             Err(e) if !up => {

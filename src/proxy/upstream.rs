@@ -69,6 +69,8 @@ pub(crate) const RESET_BURST_WINDOW: Duration = Duration::from_secs(1);
 pub(crate) struct Connection {
     /// Opens streams on the connection.
     pub(crate) sender: SendRequest<Bytes>,
+    /// Set when the connection's task ends or it is retired; a flag of its own (nothing is
+    /// published through it), so `Relaxed`.
     closed: Arc<AtomicBool>,
     /// When the current burst of unanswered resets began, and its count so far.
     resets: Arc<std::sync::Mutex<(std::time::Instant, u32)>>,
@@ -80,7 +82,7 @@ impl Connection {
     /// another client's calls were reset in a burst and it judged that abuse): its streams
     /// still open finish on it, new ones go elsewhere.
     pub(crate) fn retire(&self) {
-        self.closed.store(true, Ordering::Release);
+        self.closed.store(true, Ordering::Relaxed);
     }
 
     /// Notes that kvbridge resets one of this connection's streams before the engine answered
@@ -231,7 +233,7 @@ impl Upstream {
             let wait = {
                 let mut slot = self.slots[i].lock().unwrap_or_else(|e| e.into_inner());
                 match &*slot {
-                    Slot::Ready(c) if !c.closed.load(Ordering::Acquire) => return Ok(c.clone()),
+                    Slot::Ready(c) if !c.closed.load(Ordering::Relaxed) => return Ok(c.clone()),
                     Slot::Failed { until, error } if tokio::time::Instant::now() < *until => {
                         return Err(self.unreachable(error))
                     }
@@ -412,7 +414,7 @@ struct Live {
 
 impl Drop for Live {
     fn drop(&mut self) {
-        self.closed.store(true, Ordering::Release);
+        self.closed.store(true, Ordering::Relaxed);
         self.gauge.dec();
     }
 }

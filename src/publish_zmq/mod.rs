@@ -301,7 +301,7 @@ impl ZmqPublisher {
 
     /// Stops every thread and closes the sockets.
     pub fn shutdown(self) {
-        self.stop.store(true, Ordering::SeqCst);
+        self.stop.store(true, Ordering::Relaxed);
         for t in self.threads {
             let _ = t.join();
         }

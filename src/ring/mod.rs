@@ -101,6 +101,7 @@ pub struct RingHub {
     cache: RwLock<RecentCache>,
     newest: AtomicU64,
     /// Oldest retained sequence (O), kept beside `newest` so subscribers can check it lock-free.
+    /// A value of its own (nothing is published through it): Relaxed, as `corrupt_floor`.
     oldest: AtomicU64,
     /// Highest sequence number found corrupt in the ring (0: none). Fresh subscribers start above
     /// it, so that they do not all run into the same damaged record while it is retained.
@@ -286,7 +287,9 @@ impl RingHub {
             self.cache
                 .write()
                 .push(seq, framed, meta.ingest_ns, self.cache_max_bytes);
-            self.oldest.store(st.writer.oldest(), Ordering::Release);
+            self.oldest.store(st.writer.oldest(), Ordering::Relaxed);
+            // Release: pairs with the Acquire load in `newest()`, so that a reader who sees
+            // `seq` finds it in the cache pushed just above.
             self.newest.store(seq, Ordering::Release);
         }
         if let Some(h) = hook {
@@ -372,6 +375,8 @@ impl RingHub {
 
     /// Newest committed sequence number (N).
     pub fn newest(&self) -> u64 {
+        // Acquire: pairs with the Release store in `publish`, after the record entered the
+        // cache.
         self.newest.load(Ordering::Acquire)
     }
 
@@ -383,7 +388,7 @@ impl RingHub {
 
     /// Oldest retained sequence (O), lock-free.
     pub fn oldest(&self) -> u64 {
-        self.oldest.load(Ordering::Acquire)
+        self.oldest.load(Ordering::Relaxed)
     }
 
     /// Counts an in-process reader (a subscriber) the writer overtook.
@@ -398,13 +403,13 @@ impl RingHub {
 
     /// Notes that record `seq` was found corrupt in the ring (a subscriber read it).
     pub fn note_corrupt(&self, seq: u64) {
-        self.corrupt_floor.fetch_max(seq, Ordering::AcqRel);
+        self.corrupt_floor.fetch_max(seq, Ordering::Relaxed);
     }
 
     /// The first sequence number a fresh subscriber can read without running into a record
     /// known to be corrupt: O, or one past the newest corrupt record if that is still retained.
     pub fn readable_from(&self, oldest: u64) -> u64 {
-        oldest.max(self.corrupt_floor.load(Ordering::Acquire).saturating_add(1))
+        oldest.max(self.corrupt_floor.load(Ordering::Relaxed).saturating_add(1))
     }
 
     /// Record `seq` as one gRPC message ([`grpc_framed`]) and its ingest time (Unix ns), if

@@ -185,7 +185,7 @@ impl<'a> App<'a> {
         let heartbeat =
             crate::ring::spawn_heartbeat(rings.hubs(), heartbeat_stop.clone(), fatal_tx);
         parts.started_blocking("ring heartbeat", move || {
-            heartbeat_stop.store(true, Ordering::SeqCst);
+            heartbeat_stop.store(true, Ordering::Relaxed);
             let _ = heartbeat.join();
         });
         // 2. The metrics page, up before any traffic (every series is there at zero).

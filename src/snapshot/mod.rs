@@ -581,7 +581,7 @@ impl SnapshotEdge {
     /// Call after ingest stopped, so that the last checkpoint holds everything ingested.
     pub fn shutdown(self) {
         if let Some((stop, thread)) = self.checkpointer {
-            stop.store(true, Ordering::SeqCst);
+            stop.store(true, Ordering::Relaxed);
             thread.thread().unpark();
             let _ = thread.join();
         }
@@ -603,7 +603,7 @@ fn spawn_checkpointer(
                 let _ = t.waker.set(std::thread::current());
             }
             loop {
-                let stopping = stop.load(Ordering::SeqCst);
+                let stopping = stop.load(Ordering::Relaxed);
                 let mut sleep = TICK;
                 for t in &tables {
                     sleep = sleep.min(t.checkpoint_tick(stopping));

@@ -81,6 +81,7 @@ mod rotate;
 mod serve;
 mod smg_real_engine;
 mod snapshot;
+mod source_orderings;
 mod source_sizes;
 mod zmq_publish_dynamo;
 mod zmq_publish_late_joiner;

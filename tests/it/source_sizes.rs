@@ -69,7 +69,7 @@ fn offenders(root: &Path) -> Vec<String> {
 }
 
 /// Every `.rs` file under `dir`, in a stable order.
-fn rs_files(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn rs_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
