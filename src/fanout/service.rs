@@ -220,13 +220,7 @@ impl Edge {
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
-        let mut builder = h2::server::Builder::new();
-        builder
-            // hyper's server defaults, which tonic's server used: requests are small, the
-            // windows matter for what clients send, not for the streams kvbridge sends.
-            .initial_window_size(1 << 20)
-            .initial_connection_window_size(1 << 20)
-            .max_header_list_size(16 << 10);
+        let mut builder = crate::net::h2io::server_builder();
         if let Some(n) = self.max_streams {
             builder.max_concurrent_streams(n);
         }

@@ -24,6 +24,28 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 /// Largest chunk [`RecvBody`] builds from DATA frames already received.
 pub(crate) const COALESCE_MAX: usize = 64 * 1024;
 
+/// What h2 may buffer per stream for sending (`max_send_buffer_size`), by default: bytes the
+/// peer's windows allow but the socket has not taken. h2's own default is 400 KiB; a client
+/// that advertises large windows and stops reading would make each of its streams hold that
+/// much (about 40 MiB for a connection of 100 streams) until keepalive closed it. 128 KiB keeps
+/// two of the fan-out's largest writes in flight per stream (`fanout` writes at most 64 KiB at
+/// a time): the ring, not h2, is where records wait.
+pub(crate) const SEND_BUFFER: usize = 128 << 10;
+
+/// The one HTTP/2 server set-up of kvbridge's gRPC port (fan-out and sidecar): hyper's server
+/// windows (1 MiB per stream and per connection; requests are small, the windows matter for
+/// what clients send), header lists up to 16 KiB, and [`SEND_BUFFER`] per stream. A mode
+/// tunes the returned builder for its own needs (the sidecar: its budget's windows and send
+/// buffer, its stream limit).
+pub(crate) fn server_builder() -> h2::server::Builder {
+    let mut b = h2::server::Builder::new();
+    b.initial_window_size(1 << 20)
+        .initial_connection_window_size(1 << 20)
+        .max_header_list_size(16 << 10)
+        .max_send_buffer_size(SEND_BUFFER);
+    b
+}
+
 /// A stream's received body: its DATA, in order, then its trailers. DATA frames that are already
 /// waiting when one is read are joined into one chunk (up to [`COALESCE_MAX`]): gRPC messages
 /// are a byte stream to HTTP/2 and frame boundaries carry no meaning, and a peer that writes one

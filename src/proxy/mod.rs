@@ -287,12 +287,11 @@ impl Sidecar {
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) {
         self.upstream.set_client_limit(max_streams);
-        let mut builder = h2::server::Builder::new();
+        let mut builder = h2io::server_builder();
         builder
-            // Fixed windows: per stream 1 MiB (hyper's default); per connection the part of
-            // the connection's buffer budget set aside for requests (see `connection`). h2
-            // buffers at most `SEND_BUFFER` per stream for sending (`budget.rs`).
-            .initial_window_size(1 << 20)
+            // Per stream 1 MiB (the shared set-up's); per connection the part of the
+            // connection's buffer budget set aside for requests (see `connection`). h2 buffers
+            // at most the budget's `SEND_BUFFER` per stream for sending (`budget.rs`).
             .max_send_buffer_size(budget::SEND_BUFFER)
             .max_concurrent_streams(max_streams)
             .header_table_size(HEADER_TABLE_SIZE);
