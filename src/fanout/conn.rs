@@ -19,6 +19,28 @@
 //! **Everything else** on the connection is the server's to serve ([`Others`]), each call on a
 //! task of its own: the edge's tonic routes (health, reflection, an unknown path), and in sidecar
 //! mode (`crate::proxy`) the calls forwarded to the engine.
+//!
+//! # Contracts
+//!
+//! - **Who wakes whom.** The task's own waker is registered by the stream bodies (the ring's
+//!   futex wake-up, a linger timer), by the streams' `poll_capacity` / `poll_reset` and by the
+//!   opening calls. The h2 connection is polled with [`ConnWake`] instead: h2 wakes it for every
+//!   frame a stream queues, and those wakes are already served by the connection's poll later in
+//!   the same round, so a wake while the task polls only marks the round for a rerun, and one
+//!   between polls wakes the task.
+//! - **One round** ([`Driver::round`]): open what was accepted, poll every stream (each queues
+//!   DATA as far as its send capacity allows), then poll the connection, which accepts new
+//!   requests and flushes. A rerun ([`rounds`]) repeats this while a wake came during it, at most
+//!   [`MAX_RERUNS`] times; then the task wakes itself and yields to the runtime.
+//! - **One write per round** relies on an h2 internal: every `Connection::poll_accept` ends in a
+//!   `poll_flush` of what the streams queued. [`FlushHold`] keeps the flushes h2 makes mid-round
+//!   (when its 16 KiB write buffer fills) off the socket, so the round's frames leave together.
+//! - **What h2 buffers.** Per stream at most `crate::net::h2io::SEND_BUFFER` (128 KiB) beyond
+//!   what the socket took, plus the write in progress (a body yields at most 64 KiB at a time);
+//!   a stream is given capacity only while it is under that, so the rest waits in the ring.
+//! - **Two body pipes.** The streams here are polled in place (`Live`), in this task; a call the
+//!   server hands elsewhere (tonic's routes, a forwarded call) runs on a task of its own and pipes
+//!   its body with `h2io::Pipe`. One pipe would put every subscription on a task of its own again.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -266,22 +288,42 @@ impl std::task::Wake for ConnWake {
     }
 }
 
+/// Rounds one poll of the connection's task may run before it yields to the runtime.
+const MAX_RERUNS: usize = 32;
+
+/// Runs `round` again while a wake came during it ([`ConnWake`]), at most [`MAX_RERUNS`] times;
+/// then wakes the task and yields, so that the runtime polls it again after its other tasks. A
+/// round woken every time is not a live connection's: tokio-rustls wakes itself in one abnormal
+/// state and relies on tokio's task budget to stop that loop, which a poll that never returns
+/// would defeat (in sidecar mode this task's thread is the sidecar's only one).
+fn rounds(
+    wake: &ConnWake,
+    cx: &mut Context<'_>,
+    mut round: impl FnMut(&mut Context<'_>) -> Poll<()>,
+) -> Poll<()> {
+    for _ in 0..MAX_RERUNS {
+        wake.start(cx.waker());
+        if round(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        if !wake.finish() {
+            return Poll::Pending;
+        }
+    }
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}
+
 impl<IO> Driver<IO>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     /// Polls until the connection and every stream wait; a wake that came in meanwhile
-    /// ([`ConnWake`]) means another round now rather than another poll of the task.
+    /// ([`ConnWake`]) means another round now rather than another poll of the task, up to
+    /// [`MAX_RERUNS`] ([`rounds`]).
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        loop {
-            self.wake.start(cx.waker());
-            if self.round(cx).is_ready() {
-                return Poll::Ready(());
-            }
-            if !self.wake.finish() {
-                return Poll::Pending;
-            }
-        }
+        let wake = self.wake.clone();
+        rounds(&wake, cx, |cx| self.round(cx))
     }
 
     /// One round: new requests, opened streams, every stream's records, then one write.
@@ -429,5 +471,32 @@ mod tests {
         );
         wake.start(&task);
         assert!(!wake.finish(), "that wake started this poll");
+    }
+
+    /// A round that is woken every time (an IO that wakes itself) runs `MAX_RERUNS` times, then
+    /// the task yields, woken to be polled again after the runtime's other tasks.
+    #[test]
+    fn a_round_woken_every_time_yields_after_the_cap() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let wakes = Arc::new(Wakes(AtomicUsize::new(0)));
+            let task = std::task::Waker::from(wakes.clone());
+            let mut cx = Context::from_waker(&task);
+            let wake = Arc::new(ConnWake::default());
+            let conn = std::task::Waker::from(wake.clone());
+            let mut runs = 0;
+            let out = rounds(&wake, &mut cx, |_| {
+                runs += 1;
+                conn.wake_by_ref();
+                Poll::Pending
+            });
+            let _ = tx.send((out, runs, wakes.0.load(Ordering::Relaxed)));
+        });
+        let (out, runs, task_wakes) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the poll returned (no cap: it never does)");
+        assert_eq!(out, Poll::Pending);
+        assert_eq!(runs, MAX_RERUNS);
+        assert_eq!(task_wakes, 1, "the task is woken to be polled again");
     }
 }
