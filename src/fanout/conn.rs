@@ -288,6 +288,20 @@ impl std::task::Wake for ConnWake {
     }
 }
 
+/// The HTTP status refusing a request that is not a gRPC call, as gRPC's HTTP/2 protocol asks:
+/// `405` for a method other than `POST`, `415` for a content type that does not begin with
+/// `application/grpc` (so that no HTTP client takes a gRPC error, sent with `200`, for success).
+fn not_grpc<B>(req: &http::Request<B>) -> Option<http::StatusCode> {
+    if req.method() != http::Method::POST {
+        return Some(http::StatusCode::METHOD_NOT_ALLOWED);
+    }
+    let grpc = req
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    (!grpc).then_some(http::StatusCode::UNSUPPORTED_MEDIA_TYPE)
+}
+
 /// Rounds one poll of the connection's task may run before it yields to the runtime.
 const MAX_RERUNS: usize = 32;
 
@@ -402,6 +416,12 @@ where
             (self.others.serve)(req, respond);
             return;
         };
+        if let Some(refused) = not_grpc(&req) {
+            let mut response = http::Response::new(());
+            *response.status_mut() = refused;
+            let _ = respond.send_response(response, true);
+            return;
+        }
         let (parts, body) = req.into_parts();
         self.opening.push(Box::pin(async move {
             let opened = handler.call(parts.headers, RecvBody::new(body)).await;

@@ -46,6 +46,7 @@ mod engine_incarnation;
 mod engine_next_wire;
 mod engine_snapshot_bootstrap;
 mod fanout_flow_control;
+mod fanout_request_checks;
 mod fanout_send_buffer;
 mod fanout_shape;
 mod freshness;
