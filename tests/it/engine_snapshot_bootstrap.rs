@@ -65,6 +65,24 @@ impl Truth {
     }
 }
 
+impl Truth {
+    /// Publishes 5 live batches and waits until the re-publish's consumer (`replay_ep`) holds
+    /// what the engine holds.
+    fn follow(&mut self, e: &Engine, replay_ep: &str, what: &str) {
+        e.wait_subscribed();
+        self.publish(e, 5);
+        let want = self.live.clone();
+        common::eventually(what, T, || {
+            let h = held(replay_ep);
+            if h == want {
+                Ok(())
+            } else {
+                Err(h.len())
+            }
+        });
+    }
+}
+
 /// The blocks a consumer of kvbridge's engine-wire re-publish holds after a replay from 0.
 fn held(replay_ep: &str) -> BTreeSet<u64> {
     let ctx = zmq::Context::new();
@@ -168,17 +186,7 @@ fn a_late_start_past_the_replay_buffer_bootstraps_from_the_engines_snapshot() {
         "the state after kvbridge's restart"
     );
     // Live batches after the cut follow it.
-    e.wait_subscribed();
-    truth.publish(&e, 5);
-    let want = truth.live.clone();
-    common::eventually("the live batches after the snapshot", T, || {
-        let h = held(&replay_ep);
-        if h == want {
-            Ok(())
-        } else {
-            Err(h.len())
-        }
-    });
+    truth.follow(&e, &replay_ep, "the live batches after the snapshot");
     let page = common::scrape(maddr);
     for cause in ["missing_history", "engine_restart"] {
         assert_eq!(
@@ -280,17 +288,7 @@ fn a_late_start_past_an_sglang_workers_buffer_bootstraps_from_its_placement_snap
         "a snapshot makes the rank exact:\n{page}"
     );
     assert_eq!(held(&replay_ep), truth.live, "the placement state");
-    e.wait_subscribed();
-    truth.publish(&e, 5);
-    let want = truth.live.clone();
-    common::eventually("the live batches after the barrier", T, || {
-        let h = held(&replay_ep);
-        if h == want {
-            Ok(())
-        } else {
-            Err(h.len())
-        }
-    });
+    truth.follow(&e, &replay_ep, "the live batches after the barrier");
     let page = common::scrape(maddr);
     assert_eq!(
         metric(

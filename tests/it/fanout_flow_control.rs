@@ -16,12 +16,7 @@ const SMALL_WINDOW: u32 = 1024;
 async fn a_stream_with_a_full_window_waits_and_its_neighbours_on_the_connection_do_not() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-    ];
+    let args = e.args();
     let bridge = Bridge::start(dir.path(), &dir.path().join("ring"), &args);
     // One connection: every stream gets SMALL_WINDOW, the connection 4 MiB.
     let mut client = raw_h2::connect(bridge.grpc, SMALL_WINDOW, 4 << 20).await;

@@ -33,12 +33,7 @@ async fn status_of(
 async fn a_request_that_is_not_a_grpc_call_is_refused_with_its_http_status() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-    ];
+    let args = e.args();
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
     let mut client = raw_h2::connect(bridge.grpc, 1 << 20, 1 << 20).await;
     let grpc = bridge.grpc;

@@ -67,12 +67,7 @@ impl AsyncWrite for StopReading {
 async fn a_client_that_stops_reading_holds_at_most_the_send_buffer_per_stream() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::start(0);
-    let args = vec![
-        "--zmq".to_string(),
-        e.endpoint.clone(),
-        "--replay".into(),
-        e.replay.clone(),
-    ];
+    let args = e.args();
     let (bridge, maddr) = Bridge::start_with_metrics(dir.path(), &dir.path().join("ring"), &args);
 
     let sock = tokio::net::TcpSocket::new_v4().unwrap();

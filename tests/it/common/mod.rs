@@ -213,6 +213,16 @@ impl Engine {
 
     /// Publishes one batch of `events` in `layout`, stamped with the wall clock as the engines
     /// stamp theirs (so two incarnations never send the same bytes); returns its engine seq.
+    /// kvbridge's flags for this engine: `--zmq` its PUB, `--replay` its ROUTER.
+    pub fn args(&self) -> Vec<String> {
+        vec![
+            "--zmq".to_string(),
+            self.endpoint.clone(),
+            "--replay".into(),
+            self.replay.clone(),
+        ]
+    }
+
     pub fn publish(&self, layout: Layout, events: Vec<SimEvent>, rank: u32) -> u64 {
         self.with(move |p| p.publish_events(layout, now_ts(), &events, rank))
     }
