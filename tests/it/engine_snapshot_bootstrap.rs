@@ -256,15 +256,21 @@ fn an_engine_restart_while_kvbridge_was_down_bootstraps_from_the_snapshot() {
 }
 
 /// An SGLang worker on #34407's wire (its epoch in the topic) with a replay buffer of 10 batches
-/// and its placement snapshot service open; returns it and the snapshot endpoint.
-fn sglang_worker() -> (Engine, String) {
+/// and its placement snapshot service open, past its buffer (40 batches published); returns it,
+/// the snapshot endpoint and what it holds.
+fn sglang_worker() -> (Engine, String, Truth) {
     let e = Engine::start(0);
     let snap = e.with(move |p| {
         p.identity = Some(Identity::SglangEpoch("epoch-1".into()));
         p.set_buffer_steps(10);
         p.serve_placements_at("tcp://127.0.0.1:*").unwrap()
     });
-    (e, snap)
+    let mut truth = Truth {
+        layout: Layout::Sglang0523,
+        ..Truth::default()
+    };
+    truth.publish(&e, 40);
+    (e, snap, truth)
 }
 
 /// kvbridge started after an SGLang worker's replay buffer wrapped takes the worker's placement
@@ -273,12 +279,7 @@ fn sglang_worker() -> (Engine, String) {
 #[test]
 fn a_late_start_past_an_sglang_workers_buffer_bootstraps_from_its_placement_snapshot() {
     let dir = tempfile::tempdir().unwrap();
-    let (e, snap) = sglang_worker();
-    let mut truth = Truth {
-        layout: Layout::Sglang0523,
-        ..Truth::default()
-    };
-    truth.publish(&e, 40);
+    let (e, snap, mut truth) = sglang_worker();
     let (b, maddr, replay_ep) = bridge(dir.path(), &e, &snap);
     let page = wait_metrics(maddr, T, |p| outcome(p, "snapshot") >= 1.0);
     assert_eq!(outcome(&page, "snapshot_unavailable"), 0.0, "{page}");
@@ -312,12 +313,7 @@ fn a_late_start_past_an_sglang_workers_buffer_bootstraps_from_its_placement_snap
 #[test]
 fn the_smg_profile_declines_an_sglang_placement_snapshot() {
     let dir = tempfile::tempdir().unwrap();
-    let (e, snap) = sglang_worker();
-    let mut truth = Truth {
-        layout: Layout::Sglang0523,
-        ..Truth::default()
-    };
-    truth.publish(&e, 40);
+    let (e, snap, _truth) = sglang_worker();
     let mut args = base_args(&[&e]);
     let at = args.iter().position(|a| a == "all").expect("--profile all");
     args[at] = "smg".into();
