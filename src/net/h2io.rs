@@ -1,8 +1,15 @@
 //! The HTTP/2 plumbing the gRPC edge and both sides of the sidecar share, on the `h2` crate
-//! directly: a received body as an [`http_body::Body`] ([`RecvBody`]), a body piped into a send
-//! stream with flow control ([`Pipe`]), tonic routes served on an `h2` stream
-//! ([`serve_routes`]), the accept-and-drain loop ([`serve_connections`]) and connection
-//! keepalive ([`keepalive`]).
+//! directly:
+//!
+//! - the server set-up of kvbridge's gRPC port, one for both modes (`server_builder`, with its
+//!   per-stream send buffer `SEND_BUFFER`);
+//! - the accept-and-drain loop (`serve_connections`) and connection keepalive (`keepalive`);
+//! - bodies: a received body as an [`http_body::Body`] (`RecvBody`), a body piped into a send
+//!   stream with flow control (`Pipe`), tonic routes served on an `h2` stream (`serve_routes`);
+//! - what a connection reads, watched (`Tap`, `OnRead`): the peer's SETTINGS as they arrive
+//!   (`SettingsWatch`, `PeerSettings`);
+//! - gRPC on HTTP/2 details: a status as trailers-only headers (`status_headers`), hop-by-hop
+//!   headers removed from a forwarded message (`strip_hop_by_hop`).
 //!
 //! **Why `h2` and not hyper.** hyper's HTTP/2 server and client are thin layers over `h2`, but
 //! each forwarded DATA frame crossed both of them (a body wrapper per side, a pipe task with its
